@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+
+.PHONY: run test lint setup debs clean
+
+setup: $(STAMP) debs
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]' $(TORCH)
+	touch $(STAMP)
+
+# Debian packages the emulated network needs (ip, tc); installed only when missing and we are root.
+debs:
+	@if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q iproute2; \
+	  else echo "note: iproute2 missing and not root; emulated-network tests will skip"; fi; fi
+
+run: setup
+	$(VENV)/bin/sparsync run-default
+
+test: setup
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

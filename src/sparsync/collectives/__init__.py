@@ -1,0 +1,9 @@
+"""Lossless sparse all-reduce algorithms (``ss.sparse_allreduce``).
+
+Every module in this package registers its algorithms with :func:`register`; the package imports
+all of its modules on first use, so adding an algorithm means adding one file.
+"""
+
+from .registry import ALGORITHMS, register, sparse_allreduce
+
+__all__ = ["ALGORITHMS", "register", "sparse_allreduce"]

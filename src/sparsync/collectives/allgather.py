@@ -1,0 +1,41 @@
+"""TopkA-style baseline: all-gather every rank's (indices, values), then sum (SparCML/SparDL "TopkA").
+
+Each rank encodes its vector in the stream format (:mod:`sparsync.sparse`), so a vector denser than
+the break-even point travels dense. Counts are exchanged first (``allgatherv``); the payloads are
+padded to the largest and all-gathered by gloo's ring.
+
+Cost (ring all-gather, per rank, ``m`` = largest wire size in bytes over ranks)::
+
+    rounds = P - 1,   bytes_received = bytes_sent = (P - 1) * m
+
+(with every rank sending ``k`` sparse pairs: ``m = 8 + k*(c + isize)``; the documents' recursive
+doubling version has ``log2 P`` rounds and the same ``(P-1)k`` volume).
+
+Summation is done into a dense buffer in rank order, one ``index_add_`` per rank (indices within
+one rank are unique), so every rank computes bitwise the same result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sparse import SparseVec, decode, encode
+from .registry import register
+
+
+def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
+    """Dense sum of decoded payloads in rank order (deterministic; same on every rank)."""
+    out = torch.zeros(numel, dtype=dtype, device=device)
+    for p in payloads:
+        if isinstance(p, SparseVec):
+            out.index_add_(0, p.indices, p.values)
+        else:
+            out += p
+    return out
+
+
+@register("allgather")
+def allgather(sv: SparseVec, comm, **_) -> torch.Tensor:
+    bufs = comm.allgatherv(encode(sv))
+    payloads = [decode(b, sv.numel, sv.dtype) for b in bufs]
+    return sum_in_rank_order(payloads, sv.numel, sv.dtype, sv.device)

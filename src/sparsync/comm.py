@@ -1,0 +1,416 @@
+"""Comm: the only interface gradient-exchange algorithms talk to, and its cost ledger.
+
+Algorithms call the public methods of :class:`Comm`; two backends implement a handful of
+primitives underneath (:class:`sparsync.threadcomm.ThreadComm`: ranks as threads with a virtual
+alpha-beta clock; :class:`sparsync.torchcomm.TorchComm`: a real ``torch.distributed`` group).
+All accounting happens here, in the base class, so both backends record identical ledgers.
+
+Cost accounting (the alpha-beta model ``x*alpha + y*beta`` of ``spec/README.md`` §2):
+
+* point-to-point batch (``send``, ``recv``, ``sendrecv``, ``exchange``, ``post``): one message per
+  payload; ``rounds += max(#sends, #recvs)`` (every message posted pays one alpha at its sender, so a
+  recursive-doubling step is 1 round and SparCML's direct sends to P-1 peers are P-1 rounds).
+* ``allgather``/``allgatherv`` (ring, as gloo does it): P-1 rounds, P-1 messages, (P-1)*m bytes
+  each way, where m is the (padded, i.e. actually transferred) per-rank size.
+* ``allreduce`` (ring reduce-scatter + all-gather): 2(P-1) rounds and messages, 2(P-1)*m/P bytes
+  each way.
+* ``alltoallv`` (direct sends): P-1 rounds and messages, bytes = the non-self parts.
+* ``broadcast`` (binomial tree): ceil(log2 P) rounds; the root sends m to each of P-1 ranks in the
+  model's sense, every other rank receives m once.
+
+Variable-size messages use a **size-header protocol**: the sender first sends one int64 element
+count, then the payload (skipped when empty). We chose headers over fixed capacity because the
+sparse algorithms' message sizes are data dependent and a capacity of ``numel`` would make every
+message dense-sized. Algorithms that *know* the size (fixed-capacity blocks, SparDL) pass it to the
+receive call and no header travels. Headers are recorded separately (``header_messages``,
+``header_bytes``) and are not part of ``messages_sent``/``bytes_sent``/``rounds``, which follow the
+documents' formulas; they travel in the same round as their payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, fields
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+__all__ = ["Comm", "Ledger", "PhaseCost", "Handle", "CommError"]
+
+
+class CommError(RuntimeError):
+    """A communication call was used wrongly (mismatched collectives, bad peer, bad sizes)."""
+
+
+@dataclass
+class PhaseCost:
+    messages_sent: int = 0
+    messages_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    header_messages: int = 0
+    header_bytes: int = 0
+
+    def add(self, other: "PhaseCost") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Ledger:
+    """Per-rank record of messages, sequential rounds and bytes, keyed by a phase label.
+
+    The totals (``ledger.bytes_sent`` etc.) sum over phases; ``ledger.phases[label]`` holds one
+    phase. Algorithms set the label with ``with comm.phase("reduce-scatter"): ...``.
+    """
+
+    def __init__(self) -> None:
+        self.phases: dict[str, PhaseCost] = {}
+        self.label = "default"
+
+    def record(self, cost: PhaseCost) -> None:
+        self.phases.setdefault(self.label, PhaseCost()).add(cost)
+
+    def total(self) -> PhaseCost:
+        out = PhaseCost()
+        for c in self.phases.values():
+            out.add(c)
+        return out
+
+    def __getattr__(self, name):  # totals: messages_sent, bytes_sent, bytes_received, rounds, ...
+        if name in PhaseCost.__dataclass_fields__:
+            return getattr(self.total(), name)
+        raise AttributeError(name)
+
+    def snapshot(self) -> dict:
+        """Totals as a plain dict (cheap to compare before/after a call)."""
+        return asdict(self.total())
+
+    def since(self, snap: dict) -> dict:
+        now = self.snapshot()
+        return {k: now[k] - snap.get(k, 0) for k in now}
+
+    def reset(self) -> None:
+        self.phases.clear()
+
+    def __repr__(self) -> str:
+        return f"Ledger({self.snapshot()}, phases={list(self.phases)})"
+
+
+class Handle:
+    """A posted receive (or send); ``wait()`` returns the received tensor (or None for a send)."""
+
+    def __init__(self, waiter: Callable[[], torch.Tensor | None]):
+        self._waiter = waiter
+        self._done = False
+        self._value = None
+
+    def wait(self):
+        if not self._done:
+            self._value = self._waiter()
+            self._done = True
+        return self._value
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _as_1d(t: torch.Tensor, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{what}: messages are 1-D tensors, got shape {tuple(t.shape)}")
+    return t.contiguous()
+
+
+class Comm(ABC):
+    """P ranks that can exchange 1-D tensors. Every call records its cost in ``self.ledger``."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def __init__(self, rank: int, world_size: int, device: torch.device | str = "cpu"):
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.device = torch.device(device)
+        self.ledger = Ledger()
+        self._recording = True
+
+    # ------------------------------------------------------------------ backend primitives
+    @abstractmethod
+    def _post(
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, int, torch.dtype]],
+    ) -> list[Handle]:
+        """Post sends (dst, tensor) and fixed-size receives (src, numel, dtype) together.
+
+        Returns one handle per receive, in order. Sends complete before or with the handles.
+        Empty tensors are never passed here.
+        """
+
+    @abstractmethod
+    def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _alltoall(self, flat: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _barrier(self) -> None: ...
+
+    def _charge_collective(self, cost: PhaseCost) -> None:
+        """Hook for backends with a virtual clock (ThreadComm); called after a collective's cost is known."""
+
+    # ------------------------------------------------------------------ accounting
+    @contextlib.contextmanager
+    def phase(self, label: str):
+        """Record every call inside the block under ``label`` (phases nest; the inner label wins)."""
+        prev = self.ledger.label
+        self.ledger.label = label
+        try:
+            yield
+        finally:
+            self.ledger.label = prev
+
+    @contextlib.contextmanager
+    def unrecorded(self):
+        """Calls inside the block are not recorded (input validation, calibration)."""
+        prev = self._recording
+        self._recording = False
+        try:
+            yield
+        finally:
+            self._recording = prev
+
+    def _record(self, cost: PhaseCost) -> None:
+        if self._recording:
+            self.ledger.record(cost)
+
+    def _check_peer(self, peer: int, what: str) -> int:
+        peer = int(peer)
+        if not 0 <= peer < self.world_size:
+            raise CommError(f"{what}: peer {peer} is outside ranks 0..{self.world_size - 1}")
+        if peer == self.rank:
+            raise CommError(f"{what}: rank {self.rank} cannot message itself")
+        return peer
+
+    # ------------------------------------------------------------------ point to point
+    def post(
+        self,
+        sends: Iterable[tuple[int, torch.Tensor]] = (),
+        recvs: Iterable[tuple[int, int, torch.dtype]] = (),
+        rounds: int | None = None,
+    ) -> list[Handle]:
+        """Non-blocking batch with known sizes: returns a handle per receive, in the order given.
+
+        Use it to overlap work with in-flight receives (SparCML's split phase). Zero-length
+        messages are skipped on both sides (the receiver knows the size, so it knows).
+        """
+        sends = [(self._check_peer(d, "post"), _as_1d(t, "post")) for d, t in sends]
+        recvs = [(self._check_peer(s, "post"), int(n), dt) for s, n, dt in recvs]
+        cost = PhaseCost(
+            messages_sent=sum(1 for _, t in sends if t.numel()),
+            messages_received=sum(1 for _, n, _ in recvs if n),
+            bytes_sent=sum(_nbytes(t) for _, t in sends),
+            bytes_received=sum(n * torch.empty(0, dtype=dt).element_size() for _, n, dt in recvs),
+            rounds=max(len(sends), len(recvs)) if rounds is None else rounds,
+        )
+        self._record(cost)
+        live_sends = [(d, t) for d, t in sends if t.numel()]
+        live_recvs = [(s, n, dt) for s, n, dt in recvs if n]
+        handles = self._post(live_sends, live_recvs) if (live_sends or live_recvs) else []
+        it = iter(handles)
+        out = []
+        for s, n, dt in recvs:
+            if n:
+                out.append(next(it))
+            else:
+                out.append(Handle(lambda dt=dt: torch.empty(0, dtype=dt, device=self.device)))
+        return out
+
+    def exchange(
+        self,
+        sends: dict[int, torch.Tensor] | Iterable[tuple[int, torch.Tensor]] = (),
+        recvs: dict[int, tuple[int, torch.dtype] | torch.dtype] | Iterable = (),
+        rounds: int | None = None,
+    ) -> dict[int, torch.Tensor]:
+        """Blocking batch exchange with several peers at once; returns {src: tensor}.
+
+        ``recvs`` maps src -> ``(numel, dtype)`` for known sizes (no header) or -> ``dtype`` for a
+        variable size (the sender's side then must use a variable send too: every send to a peer
+        whose receive is variable-size is preceded by a header). To keep both sides in agreement,
+        ``sends`` values that are tuples ``(tensor, "fixed")`` skip the header; plain tensors send one.
+        """
+        sends = list(sends.items()) if isinstance(sends, dict) else list(sends)
+        recvs = list(recvs.items()) if isinstance(recvs, dict) else list(recvs)
+        var_sends = [(d, t) for d, t in sends if not isinstance(t, tuple)]
+        fixed_sends = [(d, t[0]) for d, t in sends if isinstance(t, tuple)]
+        var_recvs = [(s, spec) for s, spec in recvs if not isinstance(spec, tuple)]
+        sizes = {s: spec[0] for s, spec in recvs if isinstance(spec, tuple)}
+        dtypes = {s: (spec[1] if isinstance(spec, tuple) else spec) for s, spec in recvs}
+        if var_sends or var_recvs:
+            sizes.update(self._exchange_headers(var_sends, [s for s, _ in var_recvs]))
+        all_sends = fixed_sends + var_sends
+        handles = self.post(all_sends, [(s, sizes[s], dtypes[s]) for s, _ in recvs], rounds=rounds)
+        return {s: h.wait() for (s, _), h in zip(recvs, handles)}
+
+    def _exchange_headers(self, sends, srcs) -> dict[int, int]:
+        """Size headers for variable-size messages (one int64 each, recorded as header traffic)."""
+        hdr_sends = [(self._check_peer(d, "send"), torch.tensor([_as_1d(t, "send").numel()],
+                      dtype=torch.int64, device=self.device)) for d, t in sends]
+        hdr_recvs = [(self._check_peer(s, "recv"), 1, torch.int64) for s in srcs]
+        if self._recording:
+            self.ledger.record(PhaseCost(header_messages=len(hdr_sends), header_bytes=8 * len(hdr_sends)))
+        handles = self._post(hdr_sends, hdr_recvs) if (hdr_sends or hdr_recvs) else []
+        return {s: int(h.wait()[0]) for s, h in zip(srcs, handles)}
+
+    def send(self, t: torch.Tensor, dst: int, fixed: bool = False) -> None:
+        """Send a 1-D tensor. ``fixed=True`` only if the receiver passes ``numel`` to :meth:`recv`."""
+        self.exchange([(dst, (t, "fixed") if fixed else t)], [])
+
+    def recv(self, src: int, numel: int | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Receive a 1-D tensor; with ``numel=None`` the size comes from the sender's header."""
+        spec = dtype if numel is None else (int(numel), dtype)
+        return self.exchange([], [(src, spec)])[src]
+
+    def sendrecv(
+        self,
+        t: torch.Tensor,
+        dst: int,
+        src: int,
+        recv_numel: int | None = None,
+        recv_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Send to ``dst`` and receive from ``src`` simultaneously (one round).
+
+        Variable size unless ``recv_numel`` is given, in which case the partner must also call with
+        its ``recv_numel`` (both sides fixed).
+        """
+        dtype = recv_dtype or t.dtype
+        if recv_numel is None:
+            return self.exchange([(dst, t)], [(src, dtype)])[src]
+        return self.exchange([(dst, (t, "fixed"))], [(src, (int(recv_numel), dtype))])[src]
+
+    # ------------------------------------------------------------------ collectives
+    def _ring_cost(self, rounds_mult: int, nbytes_each_way: int) -> PhaseCost:
+        P = self.world_size
+        msgs = rounds_mult * (P - 1)
+        return PhaseCost(msgs, msgs, nbytes_each_way, nbytes_each_way, msgs)
+
+    def allgather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """All ranks' tensors (same numel and dtype everywhere), in rank order."""
+        t = _as_1d(t, "allgather")
+        out = self._allgather(t)
+        sizes = {x.numel() for x in out}
+        if len(sizes) != 1:
+            raise CommError(f"allgather needs equal sizes on every rank, got {sorted(sizes)}; use allgatherv")
+        cost = self._ring_cost(1, (self.world_size - 1) * _nbytes(t))
+        self._record(cost)
+        self._charge_collective(cost)
+        return out
+
+    def allgatherv(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """All ranks' tensors of possibly different lengths (counts first, then padded all-gather).
+
+        The ledger records the padded size, which is what actually travels.
+        """
+        t = _as_1d(t, "allgatherv")
+        with self.unrecorded():
+            counts = self._allgather(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
+        counts = [int(c[0]) for c in counts]
+        if self._recording:
+            P = self.world_size
+            self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))
+        m = max(counts)
+        if m == 0:
+            return [t.new_empty(0) for _ in counts]
+        padded = t if t.numel() == m else torch.cat([t, t.new_zeros(m - t.numel())])
+        out = self._allgather(padded)
+        cost = self._ring_cost(1, (self.world_size - 1) * m * t.element_size())
+        self._record(cost)
+        self._charge_collective(cost)
+        return [x[:c] for x, c in zip(out, counts)]
+
+    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Dense all-reduce (``sum``, ``max`` or ``min``); returns a new tensor, input untouched."""
+        if op not in ("sum", "max", "min"):
+            raise CommError(f"allreduce op must be sum, max or min, got {op!r}")
+        t = _as_1d(t, "allreduce")
+        out = self._allreduce(t, op)
+        P = self.world_size
+        cost = self._ring_cost(2, 2 * (P - 1) * _nbytes(t) // P if P > 1 else 0)
+        self._record(cost)
+        self._charge_collective(cost)
+        return out
+
+    def alltoallv(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Send ``parts[j]`` to rank j; returns the part every rank sent to this one (rank order)."""
+        P = self.world_size
+        if len(parts) != P:
+            raise CommError(f"alltoallv needs one part per rank ({P}), got {len(parts)}")
+        parts = [_as_1d(p, "alltoallv") for p in parts]
+        dtypes = {p.dtype for p in parts}
+        if len(dtypes) != 1:
+            raise CommError(f"alltoallv parts must share a dtype, got {dtypes}")
+        send_splits = [p.numel() for p in parts]
+        with self.unrecorded():
+            recv_splits = self._alltoall(
+                torch.tensor(send_splits, dtype=torch.int64, device=self.device), [1] * P, [1] * P
+            ).tolist()
+        flat = torch.cat(parts) if parts else torch.empty(0)
+        out = self._alltoall(flat, send_splits, recv_splits)
+        es = flat.element_size()
+        cost = PhaseCost(
+            messages_sent=P - 1,
+            messages_received=P - 1,
+            bytes_sent=es * (sum(send_splits) - send_splits[self.rank]),
+            bytes_received=es * (sum(recv_splits) - recv_splits[self.rank]),
+            rounds=P - 1,
+            header_messages=P - 1,
+            header_bytes=8 * (P - 1),
+        )
+        self._record(cost)
+        self._charge_collective(cost)
+        return list(torch.split(out, recv_splits))
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank ``src``'s tensor on every rank (all ranks pass a tensor of the same numel and dtype)."""
+        t = _as_1d(t, "broadcast")
+        out = self._broadcast(t, src)
+        P = self.world_size
+        nb = _nbytes(t)
+        r = math.ceil(math.log2(P)) if P > 1 else 0
+        if self.rank == src:
+            cost = PhaseCost(messages_sent=P - 1, bytes_sent=(P - 1) * nb, rounds=r)
+        else:
+            cost = PhaseCost(messages_received=1, bytes_received=nb, rounds=r)
+        self._record(cost)
+        self._charge_collective(cost)
+        return out
+
+    def barrier(self) -> None:
+        self._barrier()
+
+    def check_same(self, value: int, what: str) -> None:
+        """Raise on every rank if ``value`` differs across ranks (unrecorded control traffic)."""
+        with self.unrecorded():
+            vals = self._allgather(torch.tensor([int(value)], dtype=torch.int64, device=self.device))
+        vals = [int(v[0]) for v in vals]
+        if len(set(vals)) > 1:
+            raise ValueError(f"{what} differs across ranks: " + ", ".join(
+                f"rank {r}: {v}" for r, v in enumerate(vals)))
+
+    @property
+    def clock(self) -> float | None:
+        """Virtual time in seconds (ThreadComm with alpha/beta set); None on real backends."""
+        return None

@@ -1,0 +1,146 @@
+"""Reducer: the stateful, lossy gradient exchange every method implements.
+
+``out = r.reduce(grad)`` takes this rank's 1-D gradient and returns the SUM over ranks of what was
+transmitted, as a dense tensor bitwise identical on every rank. What was not transmitted stays in
+``r.residual`` (error feedback) and is added to the next gradient. Averaging happens once, in the
+trainer. For a conserving reducer the identity
+
+    sum_r (grad_r + residual_before_r) == out + sum_r residual_after_r
+
+holds every step (``DESIGN.md``, "conserving").
+
+A subclass implements :meth:`_reduce` and, if it has state beyond the residual and step counter,
+:meth:`_extra_state` / :meth:`_load_extra_state`. It times its stages with ``self.timed("select")``
+and ``self.timed("comm")`` and reports what it transmitted with ``self.stats["selected"] = ...``;
+bytes, messages and rounds come from the ledger automatically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ..select.topk import check_density
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    name = "base"
+    #: True when the conservation identity holds exactly (up to fp rounding) every step.
+    conserving = True
+
+    def __init__(self, comm, density: float = 0.01, **options):
+        if options:
+            raise TypeError(f"reducer {self.name!r} got unknown options: {', '.join(sorted(options))}")
+        self.comm = comm
+        self.density = check_density(density)
+        self.residual: torch.Tensor | None = None
+        self.step = 0
+        self.numel: int | None = None
+        self.stats: dict = {}
+
+    # ------------------------------------------------------------------ public API
+    def reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = self._validate(grad)
+        self.stats = {"select_s": 0.0, "comm_s": 0.0}
+        snap = self.comm.ledger.snapshot()
+        t0 = time.perf_counter()
+        with self.comm.phase(self.name):
+            out = self._reduce(grad)
+        self._sync()
+        cost = self.comm.ledger.since(snap)
+        selected = self.stats.get("selected", self.numel)
+        self.stats.update(
+            selected=int(selected),
+            density=float(selected) / max(1, self.numel),
+            target_density=self.density,
+            bytes_sent=cost["bytes_sent"],
+            bytes_received=cost["bytes_received"],
+            messages=cost["messages_sent"],
+            rounds=cost["rounds"],
+            total_s=time.perf_counter() - t0,
+        )
+        self.step += 1
+        return out
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume bitwise: residual, step, and the method's own state."""
+        return {
+            "name": self.name,
+            "step": self.step,
+            "numel": self.numel,
+            "density": self.density,
+            "residual": None if self.residual is None else self.residual.detach().cpu().clone(),
+            "extra": self._extra_state(),
+        }
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("name") != self.name:
+            raise ValueError(f"state of reducer {d.get('name')!r} cannot be loaded into {self.name!r}")
+        self.step = int(d["step"])
+        self.numel = d["numel"]
+        res = d["residual"]
+        self.residual = None if res is None else res.to(self.comm.device).clone()
+        self._load_extra_state(d.get("extra") or {})
+
+    # ------------------------------------------------------------------ for subclasses
+    def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _extra_state(self) -> dict:
+        return {}
+
+    def _load_extra_state(self, d: dict) -> None:
+        pass
+
+    @property
+    def k(self) -> int:
+        """Entries this rank may transmit: ``max(1, round(density * numel))``."""
+        return min(self.numel, max(1, int(round(self.density * self.numel))))
+
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        """Add the block's wall time (device-synchronised) to ``stats[key + '_s']``."""
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            k = key + "_s"
+            self.stats[k] = self.stats.get(k, 0.0) + time.perf_counter() - t0
+
+    def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
+        """Error feedback, first half: ``acc = grad + residual`` (a new tensor; one pass)."""
+        return grad.clone() if self.residual is None else grad + self.residual
+
+    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor) -> None:
+        """Error feedback, second half: the residual becomes ``acc`` with the sent entries zeroed.
+
+        Takes ownership of ``acc`` (modified in place; no extra pass over the gradient).
+        """
+        acc[sent_idx] = 0
+        self.residual = acc
+
+    # ------------------------------------------------------------------ internals
+    def _sync(self) -> None:
+        if self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+
+    def _validate(self, grad) -> torch.Tensor:
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{self.name}.reduce needs a tensor, got {type(grad).__name__}")
+        if grad.dim() != 1:
+            raise ValueError(f"{self.name}.reduce needs a 1-D gradient (flatten it), got shape {tuple(grad.shape)}")
+        if not grad.dtype.is_floating_point:
+            raise TypeError(f"{self.name}.reduce needs a floating-point gradient, got {grad.dtype}")
+        if self.numel is None:
+            self.comm.check_same(grad.numel(), "gradient numel")
+            self.numel = grad.numel()
+        elif grad.numel() != self.numel:
+            raise ValueError(f"{self.name}.reduce: gradient has {grad.numel()} elements, "
+                             f"this reducer was set up with {self.numel}")
+        return grad.contiguous()

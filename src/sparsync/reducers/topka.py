@@ -1,0 +1,27 @@
+"""``topka``: local exact top-k with local error feedback, then the all-gather sum (TopkA).
+
+Per step: ``acc = grad + residual``; send the ``k`` entries of largest ``|acc|``; the rest is the new
+residual (SparCML Algorithm 2, ``spec/sparcml.md`` §7.1). Communication: the ``allgather``
+collective (``rounds = P-1``, ``(P-1)*m`` bytes each way for a wire size ``m``); the union can grow
+to ``P*k`` entries (gradient build-up). Conserving.
+"""
+
+from __future__ import annotations
+
+from ..collectives.allgather import allgather
+from ..select.topk import topk_abs
+from ..sparse import SparseVec
+from .base import Reducer
+from .registry import register
+
+
+@register("topka")
+class TopkAReducer(Reducer):
+    def _reduce(self, grad):
+        with self.timed("select"):
+            acc = self.accumulate(grad)
+            idx, vals = topk_abs(acc, self.k)
+            self.keep_unsent(acc, idx)
+        self.stats["selected"] = idx.numel()
+        with self.timed("comm"):
+            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm)

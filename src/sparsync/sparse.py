@@ -1,0 +1,292 @@
+"""SparseVec and the sparse/dense stream format (SparCML ``spec/sparcml.md`` §4-5).
+
+A gradient slice travels either as *sparse* (sorted unique indices + values) or as *dense* (all
+``numel`` values). SparCML's stream switches to dense as soon as the sparse form would not be
+smaller on the wire; every operation that can grow a vector (summation) applies the same rule.
+
+The switch rule (SparCML §4, "implementation choice: follow the code, ``>=`` on bytes")::
+
+    go dense  iff  nnz * (index_bytes + value_bytes) >= numel * value_bytes
+
+A *payload* in this module is either a :class:`SparseVec` or a dense 1-D ``torch.Tensor``.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+__all__ = [
+    "SparseVec",
+    "Payload",
+    "index_dtype_for",
+    "sparse_is_smaller",
+    "add",
+    "as_dense",
+    "encode",
+    "decode",
+    "wire_nbytes",
+    "HEADER_BYTES",
+]
+
+INT32_MAX = 2**31 - 1
+
+
+class SparseVec:
+    """A 1-D sparse vector: strictly increasing int64 ``indices``, matching ``values``, length ``numel``.
+
+    Validation is O(nnz) and on by default; internal code that builds vectors known to be valid
+    passes ``check=False``.
+    """
+
+    __slots__ = ("indices", "values", "numel")
+
+    def __init__(self, indices: torch.Tensor, values: torch.Tensor, numel: int, *, check: bool = True):
+        if check:
+            indices, values, numel = _validated(indices, values, numel)
+        self.indices = indices
+        self.values = values
+        self.numel = int(numel)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_dense(cls, t: torch.Tensor) -> "SparseVec":
+        """The nonzeros of a 1-D tensor."""
+        if not isinstance(t, torch.Tensor) or t.dim() != 1:
+            raise ValueError(f"SparseVec.from_dense needs a 1-D tensor, got {_describe(t)}")
+        idx = torch.nonzero(t, as_tuple=True)[0]
+        return cls(idx, t[idx], t.numel(), check=False)
+
+    @classmethod
+    def coalesce(cls, indices: torch.Tensor, values: torch.Tensor, numel: int) -> "SparseVec":
+        """Build from unsorted indices that may repeat; repeated indices are summed.
+
+        Summation of duplicates follows the input order (stable sort), so the result is
+        deterministic on CPU.
+        """
+        if indices.dim() != 1 or values.dim() != 1 or indices.numel() != values.numel():
+            raise ValueError(
+                f"coalesce needs 1-D indices and values of equal length, got {_describe(indices)} "
+                f"and {_describe(values)}"
+            )
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= numel):
+            raise ValueError(f"coalesce: indices out of range [0, {numel})")
+        indices = indices.to(torch.int64)
+        uniq, inverse = torch.unique(indices, sorted=True, return_inverse=True)
+        vals = torch.zeros(uniq.numel(), dtype=values.dtype, device=values.device)
+        vals.index_add_(0, inverse, values)
+        return cls(uniq, vals, numel, check=False)
+
+    @classmethod
+    def empty(cls, numel: int, dtype=torch.float32, device=None) -> "SparseVec":
+        return cls(
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=dtype, device=device),
+            numel,
+            check=False,
+        )
+
+    # ------------------------------------------------------------------ views
+    @property
+    def nnz(self) -> int:
+        return self.indices.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def to_dense(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        out[self.indices] = self.values
+        return out
+
+    def to(self, device) -> "SparseVec":
+        return SparseVec(self.indices.to(device), self.values.to(device), self.numel, check=False)
+
+    def __add__(self, other):
+        """Exact sum; sparse + sparse stays a SparseVec (union), sparse + dense is dense."""
+        if isinstance(other, SparseVec):
+            _check_same_numel(self.numel, other.numel)
+            return _sparse_union(self, other)
+        if isinstance(other, torch.Tensor):
+            _check_same_numel(self.numel, other.numel())
+            return other.clone().index_add_(0, self.indices, self.values.to(other.dtype))
+        return NotImplemented
+
+    __radd__ = __add__
+
+    def __repr__(self) -> str:
+        return f"SparseVec(nnz={self.nnz}, numel={self.numel}, dtype={self.dtype}, device={self.device})"
+
+    def __eq__(self, other) -> bool:  # exact, bitwise equality of the representation
+        return (
+            isinstance(other, SparseVec)
+            and self.numel == other.numel
+            and torch.equal(self.indices, other.indices)
+            and torch.equal(self.values, other.values)
+        )
+
+    __hash__ = None  # mutable tensors inside
+
+
+Payload = Union[SparseVec, torch.Tensor]
+
+
+# ---------------------------------------------------------------------- validation helpers
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"tensor of shape {tuple(t.shape)} and dtype {t.dtype}"
+    return type(t).__name__
+
+
+def _check_same_numel(a: int, b: int) -> None:
+    if a != b:
+        raise ValueError(f"numel mismatch: {a} vs {b}")
+
+
+def _validated(indices, values, numel):
+    if not isinstance(indices, torch.Tensor) or not isinstance(values, torch.Tensor):
+        raise TypeError("SparseVec needs tensors for indices and values")
+    if indices.dim() != 1:
+        raise ValueError(f"SparseVec indices must be 1-D, got {_describe(indices)}")
+    if values.dim() != 1:
+        raise ValueError(f"SparseVec values must be 1-D, got {_describe(values)}")
+    if indices.dtype.is_floating_point or indices.dtype == torch.bool or indices.dtype.is_complex:
+        raise TypeError(f"SparseVec indices must be integers, got {indices.dtype}")
+    if indices.numel() != values.numel():
+        raise ValueError(f"SparseVec has {indices.numel()} indices but {values.numel()} values")
+    numel = int(numel)
+    if numel < 0:
+        raise ValueError(f"SparseVec numel must be >= 0, got {numel}")
+    indices = indices.to(torch.int64)
+    if indices.numel():
+        lo, hi = int(indices[0]), int(indices[-1])
+        if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+            raise ValueError("SparseVec indices must be sorted and unique (strictly increasing)")
+        if lo < 0 or hi >= numel:
+            raise ValueError(f"SparseVec indices out of range [0, {numel}): min {lo}, max {hi}")
+    return indices, values, numel
+
+
+# ---------------------------------------------------------------------- stream arithmetic
+def index_dtype_for(numel: int) -> torch.dtype:
+    """Indices travel as int32 when every index fits (SparCML uses 32-bit indices), else int64."""
+    return torch.int32 if numel <= INT32_MAX else torch.int64
+
+
+def _elem_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def sparse_is_smaller(nnz: int, numel: int, value_dtype: torch.dtype = torch.float32) -> bool:
+    """SparCML's switch rule: stay sparse only while ``nnz*(c+isize) < numel*isize``."""
+    vb = _elem_bytes(value_dtype)
+    ib = _elem_bytes(index_dtype_for(numel))
+    return nnz * (ib + vb) < numel * vb
+
+
+def as_dense(x: Payload) -> torch.Tensor:
+    return x.to_dense() if isinstance(x, SparseVec) else x
+
+
+def _sparse_union(a: SparseVec, b: SparseVec) -> SparseVec:
+    """Union of two sorted sparse vectors, values summed where both have an index (``a + b``)."""
+    idx = torch.cat([a.indices, b.indices])
+    vals = torch.cat([a.values, b.values.to(a.values.dtype)])
+    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device)
+    out.index_add_(0, inverse, vals)  # 0 + a + b: bitwise equal to a + b, and to b + a
+    return SparseVec(uniq, out, a.numel, check=False)
+
+
+def add(a: Payload, b: Payload) -> Payload:
+    """SparCML ``sum_into_stream`` case 1 (same index space) with the automatic switch to dense.
+
+    * both sparse: the upper bound ``nnz_a + nnz_b`` decides (1a); dense result is O(N),
+      sparse result O(nnz_a + nnz_b).
+    * either dense: scatter-add the sparse one into a copy of the dense one (1c/1d), or add (1b).
+
+    Never modifies its inputs. ``add(a, b)`` and ``add(b, a)`` are bitwise identical.
+    """
+    na = a.numel if isinstance(a, SparseVec) else a.numel()
+    nb = b.numel if isinstance(b, SparseVec) else b.numel()
+    _check_same_numel(na, nb)
+    if isinstance(a, SparseVec) and isinstance(b, SparseVec):
+        if sparse_is_smaller(a.nnz + b.nnz, na, a.dtype):
+            return _sparse_union(a, b)
+        out = torch.zeros(na, dtype=a.dtype, device=a.device)
+        out[a.indices] = a.values
+        return out.index_add_(0, b.indices, b.values.to(a.dtype))
+    if isinstance(a, SparseVec):
+        return b.clone().index_add_(0, a.indices, a.values.to(b.dtype))
+    if isinstance(b, SparseVec):
+        return a.clone().index_add_(0, b.indices, b.values.to(a.dtype))
+    return a + b
+
+
+# ---------------------------------------------------------------------- wire format
+HEADER_BYTES = 8  # one int64 item count; 8 bytes keeps int64 indices / float64 values aligned
+
+
+def wire_nbytes(nnz: int, numel: int, value_dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of :func:`encode`'s buffer: header + min(sparse, dense) payload (dense at equality)."""
+    vb = _elem_bytes(value_dtype)
+    if sparse_is_smaller(nnz, numel, value_dtype):
+        return HEADER_BYTES + nnz * (_elem_bytes(index_dtype_for(numel)) + vb)
+    return HEADER_BYTES + numel * vb
+
+
+def encode(x: Payload, numel: int | None = None) -> torch.Tensor:
+    """Pack a payload into one uint8 buffer: ``[count:int64][indices][values]`` or ``[numel][dense]``.
+
+    The count equals ``numel`` exactly when the payload is dense (SparCML's dense marker; a sparse
+    stream always has fewer items than ``numel`` because it would otherwise have switched).
+    Indices are stored as int32 when ``numel`` fits (:func:`index_dtype_for`). Layout is struct of
+    arrays (all indices, then all values) so both halves are single contiguous copies in torch.
+    """
+    if isinstance(x, SparseVec):
+        numel = x.numel
+        if not sparse_is_smaller(x.nnz, numel, x.dtype):
+            return encode(x.to_dense())
+        header = torch.tensor([x.nnz], dtype=torch.int64, device=x.device)
+        idx = x.indices.to(index_dtype_for(numel))
+        parts = [header.view(torch.uint8), idx.view(torch.uint8), x.values.contiguous().view(torch.uint8)]
+        return torch.cat(parts)
+    if not isinstance(x, torch.Tensor) or x.dim() != 1:
+        raise ValueError(f"encode needs a SparseVec or a 1-D tensor, got {_describe(x)}")
+    header = torch.tensor([x.numel()], dtype=torch.int64, device=x.device)
+    return torch.cat([header.view(torch.uint8), x.contiguous().view(torch.uint8)])
+
+
+def _slice_as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    nbytes = count * _elem_bytes(dtype)
+    piece = buf[start : start + nbytes]
+    if piece.storage_offset() % _elem_bytes(dtype):
+        piece = piece.clone()
+    return piece.view(dtype)
+
+
+def decode(buf: torch.Tensor, numel: int, value_dtype: torch.dtype = torch.float32) -> Payload:
+    """Inverse of :func:`encode`: a SparseVec, or a dense tensor when the dense marker is set."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < HEADER_BYTES:
+        raise ValueError(f"decode needs a 1-D uint8 buffer of at least {HEADER_BYTES} bytes")
+    count = int(_slice_as(buf, 0, 1, torch.int64)[0])
+    vb = _elem_bytes(value_dtype)
+    if count == numel:
+        if buf.numel() != HEADER_BYTES + numel * vb:
+            raise ValueError(f"dense stream of {numel} values has {buf.numel()} bytes")
+        return _slice_as(buf, HEADER_BYTES, numel, value_dtype).clone()
+    if count < 0 or count > numel:
+        raise ValueError(f"stream count {count} is outside [0, {numel}]")
+    itype = index_dtype_for(numel)
+    ib = _elem_bytes(itype)
+    if buf.numel() != HEADER_BYTES + count * (ib + vb):
+        raise ValueError(f"sparse stream of {count} items has {buf.numel()} bytes")
+    idx = _slice_as(buf, HEADER_BYTES, count, itype).to(torch.int64)
+    vals = _slice_as(buf, HEADER_BYTES + count * ib, count, value_dtype).clone()
+    return SparseVec(idx, vals, numel, check=False)
