@@ -39,3 +39,13 @@ def allgather(sv: SparseVec, comm, **_) -> torch.Tensor:
     bufs = comm.allgatherv(encode(sv))
     payloads = [decode(b, sv.numel, sv.dtype) for b in bufs]
     return sum_in_rank_order(payloads, sv.numel, sv.dtype, sv.device)
+
+
+def allgather_cost(P, n, k, value_bytes=4, index_bytes=4, **_):
+    """Ring all-gather of every rank's stream: ``P-1`` rounds, ``(P-1) * (8 + min(k(c+isize), n*isize))``
+    bytes received (sparse while ``k(c+isize) < n*isize``, else dense; 8-byte header)."""
+    m = 8 + (k * (index_bytes + value_bytes) if k * (index_bytes + value_bytes) < n * value_bytes else n * value_bytes)
+    return {"rounds": P - 1, "bytes_received": (P - 1) * m}
+
+
+register("allgather", cost=allgather_cost)(allgather)

@@ -18,16 +18,22 @@ from ..comm import Comm
 from ..sparse import SparseVec
 
 ALGORITHMS: dict[str, Callable] = {}
+#: name -> ``cost(P, n, k, value_bytes=4, index_bytes=4, pattern="random") -> dict`` with keys
+#: ``rounds`` and ``bytes_received`` (per rank; a number, or a ``(low, high)`` pair for a bound):
+#: the document's alpha-beta formula, used by tests (ledger == formula) and the simulator.
+COSTS: dict[str, Callable] = {}
 _loaded = False
 
 
-def register(name: str):
-    """Decorator: ``@register("ssar_rec_dbl") def f(sv, comm, **options) -> SparseVec | Tensor``."""
+def register(name: str, cost: Callable | None = None):
+    """Decorator: ``@register("ssar_rec_dbl", cost=f) def algo(sv, comm, **options) -> SparseVec | Tensor``."""
 
     def deco(fn):
         if name in ALGORITHMS and ALGORITHMS[name] is not fn:
             raise ValueError(f"sparse all-reduce algorithm {name!r} registered twice")
         ALGORITHMS[name] = fn
+        if cost is not None:
+            COSTS[name] = cost
         return fn
 
     return deco

@@ -86,6 +86,15 @@ class Reducer:
         self.residual = None if res is None else res.to(self.comm.device).clone()
         self._load_extra_state(d.get("extra") or {})
 
+    @classmethod
+    def predicted_cost(cls, P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, **options):
+        """The document's alpha-beta cost per rank: ``{"rounds": .., "bytes_received": ..}``.
+
+        Values are numbers, or ``(low, high)`` pairs where the document gives bounds. ``None`` when
+        the method has no formula. Used by the ledger tests and by the simulator.
+        """
+        return None
+
     # ------------------------------------------------------------------ for subclasses
     def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
