@@ -1,0 +1,158 @@
+"""Comm on both backends: point-to-point and collectives, ledger accounting, virtual clock, failures."""
+
+import time
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.comm import CommError
+
+
+def _exercise(comm):
+    """Every Comm call once; returns what each rank saw plus its ledger."""
+    r, P = comm.rank, comm.world_size
+    out = {}
+    x = torch.arange(3, dtype=torch.float32) + 10 * r
+    out["allgather"] = comm.allgather(x)
+    out["allgatherv"] = comm.allgatherv(torch.full((r + 1,), float(r)))
+    out["allreduce"] = comm.allreduce(x)
+    out["max"] = comm.allreduce(x, op="max")
+    out["alltoallv"] = comm.alltoallv([torch.full((j + 1,), float(100 * r + j)) for j in range(P)])
+    out["bcast"] = comm.broadcast(x, src=P - 1)
+    if P > 1:
+        right, left = (r + 1) % P, (r - 1) % P
+        with comm.phase("ring"):
+            out["sendrecv_var"] = comm.sendrecv(torch.full((r + 2,), float(r)), right, left)
+            out["sendrecv_fixed"] = comm.sendrecv(torch.full((4,), float(r)), right, left, recv_numel=4)
+            out["empty"] = comm.sendrecv(torch.empty(0), right, left)
+        if r == 0:
+            comm.send(torch.tensor([7.0, 8.0]), 1)
+            comm.send(torch.tensor([9.0]), 1, fixed=True)
+        elif r == 1:
+            out["recv"] = comm.recv(0)
+            out["recv_fixed"] = comm.recv(0, numel=1)
+        hs = comm.post([(right, torch.full((5,), float(r)))], [(left, 5, torch.float32)])
+        out["post"] = hs[0].wait()
+    comm.barrier()
+    return out, comm.ledger.snapshot(), dict(comm.ledger.phases)
+
+
+def _check(results, P):
+    for r, (out, led, phases) in enumerate(results):
+        assert [t.tolist() for t in out["allgather"]] == [[10.0 * q, 10.0 * q + 1, 10.0 * q + 2] for q in range(P)]
+        assert [t.tolist() for t in out["allgatherv"]] == [[float(q)] * (q + 1) for q in range(P)]
+        assert torch.equal(out["allreduce"], sum(torch.arange(3.0) + 10 * q for q in range(P)))
+        assert torch.equal(out["max"], torch.arange(3.0) + 10 * (P - 1))
+        assert [t.tolist() for t in out["alltoallv"]] == [[float(100 * q + r)] * (r + 1) for q in range(P)]
+        assert torch.equal(out["bcast"], torch.arange(3.0) + 10 * (P - 1))
+        if P > 1:
+            left = (r - 1) % P
+            assert out["sendrecv_var"].tolist() == [float(left)] * (left + 2)
+            assert out["sendrecv_fixed"].tolist() == [float(left)] * 4
+            assert out["empty"].numel() == 0
+            assert out["post"].tolist() == [float(left)] * 5
+            ring = phases["ring"]
+            assert ring.rounds == 3 and ring.messages_sent == 2  # the empty message is not sent
+            assert ring.bytes_sent == 4 * ((r + 2) + 4) and ring.bytes_received == 4 * ((left + 2) + 4)
+            assert ring.header_messages == 2  # the two variable-size sendrecvs
+        if r == 1 and P > 1:
+            assert out["recv"].tolist() == [7.0, 8.0] and out["recv_fixed"].tolist() == [9.0]
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+def test_thread_comm_calls(P):
+    _check(ss.run_local(_exercise, P, backend="thread"), P)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("P", [1, 3, 4])
+def test_gloo_comm_calls_and_same_ledger_as_threads(P):
+    gl = ss.run_local(_exercise, P, backend="gloo")
+    _check(gl, P)
+    th = ss.run_local(_exercise, P, backend="thread")
+    assert [g[1] for g in gl] == [t[1] for t in th]  # identical accounting on both backends
+
+
+def test_ledger_formulas_for_collectives():
+    P, n = 4, 1000
+
+    def work(comm):
+        comm.allreduce(torch.zeros(n))
+        a = comm.ledger.snapshot()
+        comm.ledger.reset()
+        comm.allgather(torch.zeros(n))
+        return a, comm.ledger.snapshot()
+
+    for ar, ag in ss.run_local(work, P):
+        assert ar["rounds"] == 2 * (P - 1) and ar["bytes_received"] == 2 * (P - 1) * n * 4 // P
+        assert ag["rounds"] == P - 1 and ag["bytes_received"] == (P - 1) * n * 4
+
+
+def test_virtual_clock_alpha_beta():
+    alpha, beta = 1e-3, 1e-6
+
+    def work(comm):
+        comm.sendrecv(torch.zeros(250), (comm.rank + 1) % 2, (comm.rank + 1) % 2, recv_numel=250)
+        t1 = comm.clock
+        comm.allgather(torch.zeros(250))
+        return t1, comm.clock
+
+    for t1, t2 in ss.run_local(work, 2, alpha=alpha, beta=beta):
+        assert t1 == pytest.approx(alpha + beta * 1000)
+        assert t2 == pytest.approx(t1 + alpha + beta * 1000)
+
+
+def test_virtual_clock_receive_waits_for_arrival():
+    def work(comm):
+        if comm.rank == 0:
+            comm.advance(5.0)
+            comm.send(torch.zeros(1), 1, fixed=True)
+        else:
+            comm.recv(0, numel=1)
+        return comm.clock
+
+    t0, t1 = ss.run_local(work, 2, alpha=0.5)
+    assert t0 == pytest.approx(5.5) and t1 == pytest.approx(5.5)
+
+
+def test_mismatched_collectives_are_named():
+    def work(comm):
+        if comm.rank == 0:
+            comm.allgather(torch.zeros(1))
+        else:
+            comm.allreduce(torch.zeros(1))
+
+    with pytest.raises(CommError, match="collective mismatch"):
+        ss.run_local(work, 2, timeout=10)
+
+
+def test_bad_peer_and_sizes():
+    def self_send(comm):
+        comm.send(torch.zeros(1), comm.rank)
+
+    with pytest.raises(CommError, match="cannot message itself"):
+        ss.run_local(self_send, 2)
+
+    def unequal(comm):
+        comm.allgather(torch.zeros(comm.rank + 1))
+
+    with pytest.raises(CommError, match="allgatherv"):
+        ss.run_local(unequal, 2)
+
+    def two_d(comm):
+        comm.allreduce(torch.zeros(2, 2))
+
+    with pytest.raises(ValueError, match="1-D"):
+        ss.run_local(two_d, 2)
+
+
+def test_thread_timeout_instead_of_hang():
+    def work(comm):
+        if comm.rank == 1:
+            comm.recv(0, numel=1)  # rank 0 never sends
+
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out"):
+        ss.run_local(work, 2, timeout=1.0)
+    assert time.monotonic() - t < 10

@@ -1,0 +1,91 @@
+"""run_local: results in rank order, failures re-raised fast with the rank named, never a hang."""
+
+import os
+import time
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.launch import RankFailed
+
+
+def _rank_and_size(comm, offset, scale=1):
+    return (comm.rank + offset) * scale, comm.world_size
+
+
+@pytest.mark.parametrize("backend", ["thread", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_results_in_rank_order_with_args(backend):
+    res = ss.run_local(_rank_and_size, 3, 10, backend=backend, scale=2)
+    assert res == [(20, 3), (22, 3), (24, 3)]
+
+
+def _fail_on_rank_2(comm):
+    if comm.rank == 2:
+        raise ValueError("bad shard")
+    comm.barrier()  # the others would wait forever without fail-fast
+    return comm.rank
+
+
+@pytest.mark.parametrize("backend", ["thread", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_exception_on_one_rank_fails_fast_and_names_it(backend):
+    t = time.monotonic()
+    with pytest.raises(ValueError, match="rank 2: bad shard") as info:
+        ss.run_local(_fail_on_rank_2, 4, backend=backend, timeout=60)
+    assert info.value.rank == 2
+    assert time.monotonic() - t < 20, "must not wait for the collective timeout"
+
+
+def _die(comm):
+    if comm.rank == 1:
+        os._exit(3)
+    comm.barrier()
+
+
+@pytest.mark.gloo
+def test_rank_that_dies_silently_is_reported():
+    t = time.monotonic()
+    with pytest.raises(RankFailed, match="rank 1 .*died"):
+        ss.run_local(_die, 2, backend="gloo", timeout=30)
+    assert time.monotonic() - t < 40
+
+
+def _hang(comm):
+    if comm.rank == 0:
+        time.sleep(60)
+    return comm.rank
+
+
+@pytest.mark.gloo
+def test_overall_timeout_kills_stragglers():
+    t = time.monotonic()
+    # either gloo's own timeout fires on the waiting rank or our deadline does: both name a rank
+    with pytest.raises(RuntimeError, match=r"rank \d|ranks \["):
+        ss.run_local(_hang, 2, backend="gloo", timeout=1)
+    assert time.monotonic() - t < 45
+
+
+def _torch_tensor_result(comm):
+    return torch.full((3,), float(comm.rank))
+
+
+@pytest.mark.gloo
+def test_tensors_come_back_from_processes():
+    res = ss.run_local(_torch_tensor_result, 2, backend="gloo")
+    assert [r.tolist() for r in res] == [[0.0] * 3, [1.0] * 3]
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="backend"):
+        ss.run_local(_rank_and_size, 2, 0, backend="mpi")
+    with pytest.raises(ValueError, match="world_size"):
+        ss.run_local(_rank_and_size, 0, 0)
+    with pytest.raises(ValueError, match="256"):
+        ss.run_local(_rank_and_size, 300, 0)
+
+
+def test_comm_from_env_without_torchrun(monkeypatch):
+    for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(v, raising=False)
+    with pytest.raises(RuntimeError, match="not started by torchrun"):
+        ss.comm_from_env()
