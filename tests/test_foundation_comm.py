@@ -39,7 +39,7 @@ def _exercise(comm):
 
 
 def _check(results, P):
-    for r, (out, led, phases) in enumerate(results):
+    for r, (out, _led, phases) in enumerate(results):
         assert [t.tolist() for t in out["allgather"]] == [[10.0 * q, 10.0 * q + 1, 10.0 * q + 2] for q in range(P)]
         assert [t.tolist() for t in out["allgatherv"]] == [[float(q)] * (q + 1) for q in range(P)]
         assert torch.equal(out["allreduce"], sum(torch.arange(3.0) + 10 * q for q in range(P)))

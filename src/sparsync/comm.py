@@ -170,6 +170,7 @@ class Comm(ABC):
 
     def _charge_collective(self, cost: PhaseCost) -> None:
         """Hook for backends with a virtual clock (ThreadComm); called after a collective's cost is known."""
+        return None
 
     # ------------------------------------------------------------------ accounting
     @contextlib.contextmanager
@@ -231,7 +232,7 @@ class Comm(ABC):
         handles = self._post(live_sends, live_recvs) if (live_sends or live_recvs) else []
         it = iter(handles)
         out = []
-        for s, n, dt in recvs:
+        for _, n, dt in recvs:
             if n:
                 out.append(next(it))
             else:
