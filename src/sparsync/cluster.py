@@ -1,0 +1,447 @@
+"""Emulated cluster: P ranks on one machine, each behind its own bandwidth-limited network link.
+
+Why: on loopback (~5 GB/s, ``DESIGN.md`` "Running real ranks on this machine") sparse methods rarely
+beat a dense all-reduce; their gains show on slow links. This module builds such links with Linux
+network namespaces so that real gloo processes talk over real TCP through a rate limiter.
+
+Topology of one instance (names are unique per instance: ``ssync<pid>s<subnet>``)::
+
+    rank ns  <base>r0: lo, eth0 10.157.<s>.1/24 --veth--> v0 \
+    rank ns  <base>r1: lo, eth0 10.157.<s>.2/24 --veth--> v1 -- br0 (Linux bridge) in ns <base>br
+    ...                                                     /
+
+* every rank has its own network namespace with ``lo`` up and one veth end ``eth0``; the other end
+  ``v<r>`` is a port of the bridge ``br0`` in a separate bridge namespace. Nothing is created in the
+  caller's namespace.
+* addresses come from a private /24 (``10.157.<s>.0/24``, ``s`` unique among live instances,
+  allocated under a file lock and encoded in the namespace names); the namespaces get only the
+  connected route of that /24 - **no default route, no route out**, no forwarding to the host.
+* with ``bandwidth`` set, ``tc qdisc replace dev <veth> root tbf rate <bw> burst <b> limit <l>`` is
+  applied on BOTH ends of every veth, so every host link is limited in both directions (a rank's
+  egress on ``eth0``, its ingress on the bridge side ``v<r>``). ``burst`` is at least 64 KiB (one
+  TSO/GSO super-packet; a smaller bucket makes tbf segment or drop them) and about 1 ms of traffic;
+  ``limit`` (queue) is about 20 ms of traffic, so TCP reaches ~95% of the line rate without a
+  bloated queue. netem is not in this kernel, so no latency is added (propagation ~ 0).
+* ``cl.placement(rank)`` runs in the forked rank process before its gloo group starts
+  (``run_local(..., placement=cl.placement)``): it enters the rank's namespace with
+  ``setns(fd, CLONE_NEWNET)`` (the process is single-threaded right after fork, and threads gloo
+  creates later inherit the namespace) and returns ``{"GLOO_SOCKET_IFNAME": "eth0"}``. Rendezvous is
+  a FileStore, which works across network namespaces.
+
+Cleanup always happens: ``__exit__``, an ``atexit`` hook, and SIGINT/SIGTERM handlers that clean
+up and then chain to the previous handler. Deleting the namespaces deletes their veths and bridge.
+``sparsync cluster cleanup`` (:func:`cleanup_stale`) removes what a killed run (SIGKILL) left:
+every namespace with our prefix whose owner process is gone.
+
+Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``). We drive iproute2
+through ``subprocess`` (``check``-ed, stderr in the error) rather than pyroute2: its 0.9 series
+rewrote the API, and iproute2 is what the test fixture requires anyway; the only syscall we
+issue ourselves is ``setns`` (via libc).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import fcntl
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "PREFIX",
+    "ClusterUnavailable",
+    "EmulatedCluster",
+    "cleanup_stale",
+    "format_bandwidth",
+    "list_namespaces",
+    "netns_unavailable_reason",
+    "parse_bandwidth",
+    "run_emulated",
+]
+
+PREFIX = "ssync"
+SUBNET_BASE = "10.157"  # 10.157.<s>.0/24, s in 1..254, never routed anywhere
+IFNAME = "eth0"
+BRIDGE = "br0"
+NETNS_DIR = "/var/run/netns"
+_LOCK_PATH = "/tmp/sparsync-cluster.lock"
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)s(\d+)(r\d+|br)$")
+_CLONE_NEWNET = 0x40000000
+_CAP_NET_ADMIN = 12
+_CAP_SYS_ADMIN = 21
+
+_counter = itertools.count()
+
+
+class ClusterUnavailable(RuntimeError):
+    """The emulated network cannot be built here (no root/CAP_NET_ADMIN, no iproute2, ...)."""
+
+
+# ---------------------------------------------------------------------- bandwidth
+_UNITS = {"": 1, "bit": 1, "bps": 8, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+          "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def parse_bandwidth(bw) -> int | None:
+    """Bits per second from ``"1gbit"``, ``"100mbit"``, ``"500kbit"``, ``"10mbps"`` (bytes/s, tc's
+    convention), a number (bits/s); ``None``/``"none"``/``"unlimited"`` -> None (no limit)."""
+    if bw is None:
+        return None
+    if isinstance(bw, (int, float)) and not isinstance(bw, bool):
+        val = float(bw)
+    else:
+        s = str(bw).strip().lower()
+        if s in ("none", "unlimited", "inf", ""):
+            return None
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)", s)
+        if not m or m.group(2) not in _UNITS:
+            raise ValueError(f"bad bandwidth {bw!r}; use e.g. '1gbit', '100mbit', '500kbit' or bits/s")
+        val = float(m.group(1)) * _UNITS[m.group(2)]
+    if not val >= 8000:
+        raise ValueError(f"bandwidth must be at least 8kbit, got {bw!r}")
+    return int(val)
+
+
+def format_bandwidth(bits: int | None) -> str:
+    if bits is None:
+        return "unlimited"
+    for unit, f in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= f:
+            v = bits / f
+            return f"{v:g}{unit}"
+    return f"{bits}bit"
+
+
+# ---------------------------------------------------------------------- system helpers
+def _cap_effective() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+def netns_unavailable_reason() -> str | None:
+    """Why the emulated network cannot be built here, or None when it can."""
+    caps = _cap_effective()
+    if os.geteuid() != 0 and not (caps >> _CAP_NET_ADMIN & 1 and caps >> _CAP_SYS_ADMIN & 1):
+        return ("the emulated cluster needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) to create network "
+                "namespaces, veth pairs and tc qdiscs")
+    for tool in ("ip", "tc"):
+        if not shutil.which(tool):
+            return f"the emulated cluster needs iproute2 ('{tool}' not found on PATH; apt-get install iproute2)"
+    return None
+
+
+_HOW_TO = ("Run it as root (e.g. `sudo .venv/bin/sparsync ...`), or run on loopback without a "
+           "bandwidth limit instead: EmulatedCluster(..., fallback_loopback=True) / "
+           "run_emulated(..., fallback_loopback=True) / `--bandwidth loopback` on the CLI.")
+
+
+def _run(cmd: list[str], what: str) -> str:
+    try:
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as e:
+        raise ClusterUnavailable(f"{what}: {cmd[0]} not found ({e}); install iproute2") from None
+    except subprocess.TimeoutExpired:
+        raise ClusterUnavailable(f"{what}: `{' '.join(cmd)}` timed out") from None
+    if p.returncode != 0:
+        raise ClusterUnavailable(f"{what}: `{' '.join(cmd)}` failed (exit {p.returncode}): "
+                                 f"{(p.stderr or p.stdout).strip()}")
+    return p.stdout
+
+
+def list_namespaces() -> list[str]:
+    """Names of all named network namespaces (``ip netns list``)."""
+    if not shutil.which("ip"):
+        return []
+    try:
+        out = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _delete_namespaces(names) -> list[str]:
+    """Delete namespaces (their veths and bridge go with them); returns those that failed."""
+    failed = []
+    for ns in names:
+        p = subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True, text=True, timeout=30)
+        if p.returncode != 0 and os.path.exists(os.path.join(NETNS_DIR, ns)):
+            failed.append(f"{ns}: {p.stderr.strip()}")
+    return failed
+
+
+def cleanup_stale(all_instances: bool = False) -> list[str]:
+    """Remove namespaces left by crashed runs: our prefix and a dead owner pid (any owner with
+    ``all_instances=True`` - that also breaks clusters that are running now). Returns the names removed.
+    """
+    ours = [(n, _NAME_RE.match(n)) for n in list_namespaces()]
+    victims = [n for n, m in ours if m and (all_instances or not _pid_alive(int(m.group(1))))]
+    # root-namespace links with our prefix: none are created by this module, but remove any a
+    # modified or interrupted older version may have left
+    links = []
+    if shutil.which("ip"):
+        out = subprocess.run(["ip", "-o", "link", "show"], check=False, capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            parts = line.split(":")
+            if len(parts) > 1:
+                name = parts[1].strip().split("@")[0]
+                if name.startswith(PREFIX):
+                    links.append(name)
+    for link in links:
+        subprocess.run(["ip", "link", "delete", link], check=False, capture_output=True)
+    failed = _delete_namespaces(victims)
+    if failed:
+        raise RuntimeError("could not delete: " + "; ".join(failed))
+    return victims + [f"link {x}" for x in links]
+
+
+_libc = None
+
+
+def _setns(path: str) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}) failed: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- signal / atexit plumbing
+_LIVE: set[EmulatedCluster] = set()
+_PREV_HANDLERS: dict[int, object] = {}
+_plumbing_lock = threading.Lock()
+
+
+def _cleanup_live() -> None:
+    for cl in list(_LIVE):
+        cl.close()
+
+
+def _on_signal(signum, frame):
+    _cleanup_live()
+    prev = _PREV_HANDLERS.get(signum, signal.SIG_DFL)
+    if callable(prev):
+        prev(signum, frame)
+    elif prev == signal.SIG_IGN:
+        return
+    else:  # SIG_DFL: restore and re-deliver, so the process dies the way it would have
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _install_handlers() -> None:
+    if _PREV_HANDLERS or threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        prev = signal.getsignal(sig)
+        if prev is None:  # installed from C; we cannot chain it, leave it alone
+            continue
+        _PREV_HANDLERS[sig] = prev
+        signal.signal(sig, _on_signal)
+
+
+def _restore_handlers() -> None:
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig, prev in list(_PREV_HANDLERS.items()):
+        if signal.getsignal(sig) is _on_signal:
+            signal.signal(sig, prev)
+        del _PREV_HANDLERS[sig]
+
+
+# ---------------------------------------------------------------------- the cluster
+class EmulatedCluster:
+    """``world_size`` network namespaces behind a bridge, links optionally rate-limited with tbf.
+
+    >>> with EmulatedCluster(4, bandwidth="1gbit") as cl:          # doctest: +SKIP
+    ...     out = ss.run_local(fn, 4, backend="gloo", placement=cl.placement)
+
+    Without root (or iproute2) ``__enter__`` raises :class:`ClusterUnavailable` saying what is
+    missing, unless ``fallback_loopback=True``: then it warns and ranks run on loopback with no
+    limit (``cl.emulated`` is False).
+    """
+
+    def __init__(self, world_size: int, bandwidth=None, fallback_loopback: bool = False,
+                 burst_bytes: int | None = None, limit_bytes: int | None = None):
+        if not isinstance(world_size, int) or not 1 <= world_size <= 253:
+            raise ValueError(f"world_size must be an integer in [1, 253], got {world_size!r}")
+        self.world_size = world_size
+        self.bandwidth = parse_bandwidth(bandwidth)
+        self.fallback_loopback = bool(fallback_loopback)
+        self.burst_bytes = burst_bytes
+        self.limit_bytes = limit_bytes
+        self.emulated = False
+        self.namespaces: list[str] = []
+        self.bridge_ns: str | None = None
+        self.subnet: str | None = None
+        self.base: str | None = None
+        self._owner_pid: int | None = None
+        self._created: list[str] = []
+        self._open = False
+
+    # -------------------------------------------------------------- public
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> EmulatedCluster:
+        if self._open:
+            raise RuntimeError("EmulatedCluster already started")
+        reason = netns_unavailable_reason()
+        if reason:
+            self._fallback_or_raise(f"{reason}. {_HOW_TO}")
+            return self
+        self._owner_pid = os.getpid()
+        self._open = True
+        with _plumbing_lock:
+            _LIVE.add(self)
+            _install_handlers()
+        atexit.register(self.close)
+        try:
+            self._build()
+        except BaseException as e:
+            self.close()
+            if isinstance(e, ClusterUnavailable):
+                self._fallback_or_raise(f"building the emulated network failed: {e}")
+                return self
+            raise
+        self.emulated = True
+        return self
+
+    def placement(self, rank: int) -> dict:
+        """Enter rank ``rank``'s namespace (call in the rank's own, freshly forked process)."""
+        if not self.emulated:
+            return {"GLOO_SOCKET_IFNAME": "lo"}
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is not in [0, {self.world_size})")
+        _setns(os.path.join(NETNS_DIR, self.namespaces[rank]))
+        return {"GLOO_SOCKET_IFNAME": IFNAME}
+
+    def address(self, rank: int) -> str:
+        return f"{self.subnet}.{rank + 1}"
+
+    def close(self) -> None:
+        """Delete every namespace of this instance (idempotent; only the creating process does it)."""
+        if not self._open or os.getpid() != self._owner_pid:
+            return
+        self._open = False
+        try:
+            failed = _delete_namespaces(reversed(self._created))
+        finally:
+            self._created = []
+            self.emulated = False
+            with _plumbing_lock:
+                _LIVE.discard(self)
+                if not _LIVE:
+                    _restore_handlers()
+            with contextlib.suppress(Exception):  # may run from inside atexit itself
+                atexit.unregister(self.close)
+        if failed:
+            warnings.warn("sparsync cluster: could not delete " + "; ".join(failed)
+                          + " - run `sparsync cluster cleanup`", RuntimeWarning, stacklevel=2)
+
+    def ns_exec(self, rank: int | str, *cmd: str) -> str:
+        """Run a command inside a rank's namespace (or ``"br"``: the bridge's); returns stdout."""
+        ns = self.bridge_ns if rank == "br" else self.namespaces[int(rank)]
+        return _run(["ip", "netns", "exec", ns, *cmd], f"running {cmd[0]} in {ns}")
+
+    def __repr__(self) -> str:
+        net = f"{self.subnet}.0/24 via {self.bridge_ns}" if self.emulated else "loopback"
+        return f"EmulatedCluster(world_size={self.world_size}, bandwidth={format_bandwidth(self.bandwidth)}, {net})"
+
+    # -------------------------------------------------------------- internals
+    def _fallback_or_raise(self, msg: str) -> None:
+        if not self.fallback_loopback:
+            raise ClusterUnavailable(msg)
+        warnings.warn(f"sparsync: NOT emulating a network ({msg}); ranks run on LOOPBACK with NO "
+                      "bandwidth limit - timings are not those of a slow network.", RuntimeWarning,
+                      stacklevel=3)
+        self.emulated = False
+
+    def _tbf_params(self) -> tuple[int, int]:
+        rate_Bps = self.bandwidth / 8
+        burst = self.burst_bytes or max(65536 + 1514, int(rate_Bps * 1e-3))
+        limit = self.limit_bytes or max(4 * burst, int(rate_Bps * 20e-3))
+        return burst, limit
+
+    def _build(self) -> None:
+        os.makedirs(NETNS_DIR, exist_ok=True)
+        with open(_LOCK_PATH, "a+") as lockf:
+            fcntl.flock(lockf, fcntl.LOCK_EX)
+            used = {int(m.group(2)) for m in map(_NAME_RE.match, list_namespaces()) if m}
+            free = [s for s in range(1, 255) if s not in used]
+            if not free:
+                raise ClusterUnavailable("no free 10.157.<s>.0/24 subnet: 254 clusters exist; "
+                                         "run `sparsync cluster cleanup`")
+            s = free[(os.getpid() + next(_counter)) % len(free)]
+            self.base = f"{PREFIX}{os.getpid()}s{s}"
+            self.subnet = f"{SUBNET_BASE}.{s}"
+            self.bridge_ns = self.base + "br"
+            self.namespaces = [f"{self.base}r{r}" for r in range(self.world_size)]
+            for ns in [self.bridge_ns] + self.namespaces:  # names claimed under the lock
+                _run(["ip", "netns", "add", ns], "creating network namespace")
+                self._created.append(ns)
+        br = self.bridge_ns
+        _run(["ip", "-n", br, "link", "set", "lo", "up"], "bridge namespace lo")
+        _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"], "creating the bridge")
+        _run(["ip", "-n", br, "link", "set", BRIDGE, "up"], "bringing the bridge up")
+        for r, ns in enumerate(self.namespaces):
+            port = f"v{r}"
+            _run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns],
+                 f"creating the veth pair of rank {r}")
+            _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE, "up"], f"attaching rank {r} to the bridge")
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"], f"rank {r} lo")
+            _run(["ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", IFNAME], f"rank {r} address")
+            _run(["ip", "-n", ns, "link", "set", IFNAME, "up"], f"rank {r} {IFNAME} up")
+            if self.bandwidth is not None:
+                burst, limit = self._tbf_params()
+                for where, dev in ((ns, IFNAME), (br, port)):
+                    _run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf",
+                          "rate", f"{self.bandwidth}bit", "burst", str(burst), "limit", str(limit)],
+                         f"limiting rank {r}'s link to {format_bandwidth(self.bandwidth)} (is sch_tbf available?)")
+
+
+def run_emulated(fn: Callable, world_size: int, *args, bandwidth="1gbit", fallback_loopback: bool = False,
+                 timeout: float = 300.0, **kwargs) -> list:
+    """``run_local(fn, world_size, *args, backend="gloo", **kwargs)`` on a fresh EmulatedCluster."""
+    from .launch import run_local
+
+    with EmulatedCluster(world_size, bandwidth=bandwidth, fallback_loopback=fallback_loopback) as cl:
+        return run_local(fn, world_size, *args, backend="gloo", timeout=timeout, placement=cl.placement,
+                         **kwargs)

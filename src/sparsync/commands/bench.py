@@ -1,0 +1,174 @@
+"""``sparsync bench allreduce|reducers``: side-by-side timing tables (median of max over ranks).
+
+``allreduce`` compares the dense all-reduce with lossless sparse all-reduce algorithms
+(:mod:`sparsync.bench.allreduce`); ``reducers`` compares lossy reducers end to end
+(:mod:`sparsync.bench.reducers`). Both run on loopback or on the emulated cluster
+(``--bandwidth 1gbit``; several networks as a comma list), print a table with the speedup over
+dense and write every row to ``--csv``. ``--algorithms all`` / ``--reducers all`` pick up every
+registered method at run time.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _floats(s: str) -> list[float]:
+    try:
+        return [float(x) for x in str(s).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"expected comma-separated numbers, got {s!r}") from None
+
+
+def _ints(s: str) -> list[int]:
+    vals = _floats(s)
+    if any(v != int(v) or v < 1 for v in vals):
+        raise SystemExit(f"expected comma-separated positive integers, got {s!r}")
+    return [int(v) for v in vals]
+
+
+def _names(s: str) -> list[str]:
+    return [x.strip() for x in str(s).split(",") if x.strip()]
+
+
+def _networks(s: str) -> list[str]:
+    from ..cluster import parse_bandwidth
+
+    nets = _names(s)
+    for n in nets:
+        if n != "loopback":
+            try:
+                parse_bandwidth(n)
+            except ValueError as e:
+                raise SystemExit(f"--bandwidth: {e} (or 'loopback')") from None
+    return nets
+
+
+def _common(p) -> None:
+    p.add_argument("--world-sizes", default="4", help="comma list of rank counts (default 4)")
+    p.add_argument("--bandwidth", default="loopback",
+                   help="comma list of networks: 'loopback' (no namespaces) or a per-link rate of the "
+                        "emulated cluster, e.g. '1gbit', '100mbit', 'none' (default loopback)")
+    p.add_argument("--fallback-loopback", action="store_true",
+                   help="when the emulated cluster cannot be built (no root), warn and use loopback")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="per run_local timeout in seconds")
+    p.add_argument("--csv", metavar="FILE", help="write every row to this CSV file")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _allreduce(args) -> int:
+    from ..bench.allreduce import expand_algorithms, run_allreduce_bench
+    from ..bench.patterns import PATTERNS
+    from ..bench.report import fmt_bytes, fmt_ms, fmt_num, fmt_speedup, format_table, write_csv
+    from ..cluster import ClusterUnavailable
+
+    patterns = _names(args.patterns)
+    for p in patterns:
+        if p not in PATTERNS:
+            raise SystemExit(f"unknown pattern {p!r}; choose from {', '.join(PATTERNS)}")
+    try:
+        algorithms = expand_algorithms(args.algorithms)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if "dense" not in algorithms:
+        algorithms = ["dense"] + algorithms  # the speedup column needs it
+    t0 = time.perf_counter()
+    try:
+        rows = run_allreduce_bench(_ints(args.world_sizes), [int(x) for x in _floats(args.numel)],
+                                   _floats(args.densities), patterns, algorithms, _networks(args.bandwidth),
+                                   repeats=args.repeats, warmup=args.warmup, seed=args.seed,
+                                   check=not args.no_check, timeout=args.timeout,
+                                   fallback_loopback=args.fallback_loopback, progress=not args.quiet)
+    except ClusterUnavailable as e:
+        print(f"sparsync bench allreduce: {e}", file=sys.stderr)
+        return 2
+    shown = [dict(r, numel=fmt_num(r["numel"]), density=f"{r['density']:g}", time=fmt_ms(r.get("time_s")),
+                  speedup=fmt_speedup(r.get("speedup")), sent=fmt_bytes(r.get("bytes_sent")),
+                  rounds=None if r.get("rounds") is None else int(r["rounds"]),
+                  ok={True: "yes", False: "NO", None: "-"}[r.get("correct")],
+                  note=(r.get("error") or "")[:60] or None) for r in rows]
+    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("density", "density"),
+            ("pattern", "pattern"), ("algorithm", "algorithm"), ("time", "time ms"),
+            ("speedup", "vs dense"), ("sent", "sent/rank"), ("rounds", "rounds"), ("ok", "exact")]
+    if any(r.get("error") for r in rows):
+        cols.append(("note", "error"))
+    print(format_table(shown, cols, markdown=args.markdown))
+    print(f"(median over {args.repeats} repeats of the max over ranks; total {time.perf_counter() - t0:.0f} s)")
+    if args.csv:
+        write_csv(args.csv, rows, ["network", "world_size", "numel", "density", "pattern", "algorithm",
+                                   "time_s", "speedup", "bytes_sent", "bytes_received", "rounds", "messages",
+                                   "correct", "max_err", "error", "times_s"])
+        print(f"wrote {args.csv}")
+    bad = [r for r in rows if r.get("correct") is False]
+    for r in bad:
+        print(f"WRONG RESULT: {r['algorithm']} at P={r['world_size']} numel={r['numel']} "
+              f"density={r['density']} {r['pattern']} (max rel err {r.get('max_err')})", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _reducers(args) -> int:
+    from ..bench.reducers import expand_reducers, run_reducer_bench
+    from ..bench.report import fmt_bytes, fmt_ms, fmt_num, fmt_speedup, format_table, write_csv
+    from ..cluster import ClusterUnavailable
+
+    try:
+        reducers = expand_reducers(args.reducers)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if "dense" not in reducers:
+        reducers = ["dense"] + reducers
+    t0 = time.perf_counter()
+    try:
+        rows = run_reducer_bench(reducers, _ints(args.world_sizes), int(float(args.numel)), args.density,
+                                 _networks(args.bandwidth), steps=args.steps, warmup=args.warmup,
+                                 seed=args.seed, timeout=args.timeout, fallback_loopback=args.fallback_loopback,
+                                 progress=not args.quiet)
+    except ClusterUnavailable as e:
+        print(f"sparsync bench reducers: {e}", file=sys.stderr)
+        return 2
+    shown = [dict(r, numel=fmt_num(r["numel"]), select=fmt_ms(r.get("select_s")), comm=fmt_ms(r.get("comm_s")),
+                  total=fmt_ms(r.get("total_s")), speedup=fmt_speedup(r.get("speedup")),
+                  sent=fmt_bytes(r.get("bytes_sent")), achieved=f"{r.get('density', 0):.4g}") for r in rows]
+    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("reducer", "reducer"),
+            ("select", "select ms"), ("comm", "comm ms"), ("total", "total ms"), ("speedup", "vs dense"),
+            ("sent", "sent/rank"), ("achieved", "density")]
+    print(format_table(shown, cols, markdown=args.markdown))
+    print(f"(target density {args.density:g}; median over {args.steps} steps of the max over ranks; "
+          f"total {time.perf_counter() - t0:.0f} s)")
+    if args.csv:
+        write_csv(args.csv, rows, ["network", "world_size", "numel", "target_density", "reducer", "select_s",
+                                   "comm_s", "total_s", "wall_s", "speedup", "bytes_sent", "bytes_received",
+                                   "rounds", "messages", "density", "selected", "steps", "total_s_all"])
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks: sparse all-reduce algorithms, reducers",
+                              description=__doc__)
+    sub = p.add_subparsers(dest="bench_command", metavar="WHAT")
+
+    a = sub.add_parser("allreduce", help="dense all-reduce vs lossless sparse all-reduce algorithms")
+    _common(a)
+    a.add_argument("--numel", default="1e7", help="comma list of vector lengths (default 1e7)")
+    a.add_argument("--densities", default="0.01,0.001", help="comma list of densities (default 0.01,0.001)")
+    a.add_argument("--patterns", default="random", help="comma list of random, identical, disjoint")
+    a.add_argument("--algorithms", default="dense,allgather,torch_sparse",
+                   help="comma list; 'all' = dense + every registered algorithm (dense is always added)")
+    a.add_argument("--repeats", type=int, default=5, help="timed steps per algorithm (default 5)")
+    a.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm (default 1)")
+    a.add_argument("--no-check", action="store_true", help="skip the exactness / cross-rank checks")
+    a.set_defaults(func=_allreduce)
+
+    r = sub.add_parser("reducers", help="lossy reducers end to end: select / comm / total time")
+    _common(r)
+    r.add_argument("--reducers", default="dense,topka", help="comma list or 'all' (dense is always added)")
+    r.add_argument("--numel", default="1e7", help="gradient length (default 1e7)")
+    r.add_argument("--density", type=float, default=0.01)
+    r.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
+    r.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
+    r.set_defaults(func=_reducers)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

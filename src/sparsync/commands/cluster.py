@@ -1,0 +1,121 @@
+"""``sparsync cluster smoke|cleanup``: check the emulated network, remove leftovers of crashed runs.
+
+``smoke`` builds an :class:`~sparsync.cluster.EmulatedCluster`, runs a correctness all-reduce and a
+timed dense all-reduce on it and prints the measured throughput per link next to the ring model
+(``2(P-1)/P * bytes`` over each link, ``spec/README.md`` §2). ``cleanup`` deletes every namespace
+with the ``ssync`` prefix whose creating process is gone (``--all``: also live ones).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+def _smoke_worker(comm, numel, repeats):
+    import torch
+
+    P = comm.world_size
+    x = torch.full((numel,), float(comm.rank + 1))
+    out = comm.allreduce(x)
+    expect = P * (P + 1) / 2
+    ok = bool(torch.all(out == expect))
+    times = []
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        comm.allreduce(x)
+        times.append(time.perf_counter() - t0)
+    return ok, times
+
+
+def _smoke(args) -> int:
+    import statistics
+
+    from ..cluster import ClusterUnavailable, EmulatedCluster, format_bandwidth
+    from ..launch import run_local
+
+    P, n = args.world_size, int(float(args.numel))
+    loopback = args.bandwidth == "loopback"
+    t0 = time.perf_counter()
+    try:
+        cm = _Loopback(P) if loopback else EmulatedCluster(P, bandwidth=args.bandwidth,
+                                                           fallback_loopback=args.fallback_loopback)
+        with cm as cl:
+            setup = time.perf_counter() - t0
+            print(f"{cl}  (set up in {setup * 1e3:.0f} ms)")
+            if cl.emulated:
+                print(f"rank 0 routes: {cl.ns_exec(0, 'ip', 'route').strip() or '(none)'}")
+            res = run_local(_smoke_worker, P, n, args.repeats, backend="gloo", timeout=args.timeout,
+                            placement=cl.placement)
+    except ClusterUnavailable as e:
+        print(f"sparsync cluster smoke: {e}", file=sys.stderr)
+        return 2
+    ok = all(r[0] for r in res)
+    per_step = [max(r[1][i] for r in res) for i in range(args.repeats)]
+    t = statistics.median(per_step)
+    link_bytes = 2 * (P - 1) / P * n * 4 if P > 1 else 0
+    print(f"all-reduce of {n:.3g} float32 on {P} ranks: {'correct' if ok else 'WRONG RESULT'}; "
+          f"median {t * 1e3:.1f} ms (max over ranks, {args.repeats} repeats)")
+    if link_bytes:
+        print(f"throughput per link: {link_bytes * 8 / t / 1e9:.3f} Gbit/s "
+              f"({link_bytes / 1e6:.1f} MB each way per rank, ring model)")
+        if cl.bandwidth:
+            model = link_bytes * 8 / cl.bandwidth
+            print(f"model at {format_bandwidth(cl.bandwidth)}: {model * 1e3:.1f} ms -> measured/model = {t / model:.2f}")
+    return 0 if ok else 1
+
+
+class _Loopback:
+    """Stand-in with the cluster's interface for ``--bandwidth loopback``."""
+
+    def __init__(self, P):
+        self.world_size, self.bandwidth, self.emulated = P, None, False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def placement(self, rank):
+        return {"GLOO_SOCKET_IFNAME": "lo"}
+
+    def __repr__(self):
+        return f"loopback ({self.world_size} ranks, no bandwidth limit)"
+
+
+def _cleanup(args) -> int:
+    from ..cluster import cleanup_stale, netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        print(f"sparsync cluster cleanup: {reason}", file=sys.stderr)
+        return 2
+    removed = cleanup_stale(all_instances=args.all)
+    if removed:
+        print("removed: " + ", ".join(removed))
+    else:
+        print("nothing to clean up")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("cluster", help="emulated bandwidth-limited cluster (network namespaces)",
+                              description=__doc__)
+    sub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
+    s = sub.add_parser("smoke", help="all-reduce on an emulated cluster and print the throughput")
+    s.add_argument("--world-size", type=int, default=2)
+    s.add_argument("--bandwidth", default="1gbit",
+                   help="per-link rate, e.g. 1gbit, 100mbit; 'none' = namespaces without a limit; "
+                        "'loopback' = no namespaces (default 1gbit)")
+    s.add_argument("--numel", default="2.5e6", help="float32 elements to all-reduce (default 2.5e6 = 10 MB)")
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--timeout", type=float, default=120.0)
+    s.add_argument("--fallback-loopback", action="store_true",
+                   help="run on loopback (with a warning) when namespaces cannot be created")
+    s.set_defaults(func=_smoke)
+    c = sub.add_parser("cleanup", help="remove namespaces left by crashed runs (prefix 'ssync')")
+    c.add_argument("--all", action="store_true", help="also remove namespaces of runs still alive")
+    c.set_defaults(func=_cleanup)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -1,0 +1,256 @@
+"""Block-sparse reducers: the S2 Reducer paper's baselines, and the machinery ``s2`` shares with them.
+
+``spec/s2reducer.md`` §2 and §8 ("Baselines: AllGather, ..., OmniReduce"). All three block reducers
+(``s2``, ``blocksparse``, ``block_allgather``) transmit the *same* selection, so their communication
+can be compared one to one:
+
+* **dense gradients** (``reduce``): block-wise top-K by block L2 norm
+  (:mod:`sparsync.select.blocks`) with local error feedback: ``acc = grad + residual``, the ``K``
+  blocks of largest norm travel, ``residual = acc`` with those blocks zeroed (spec §2 implementation
+  choice). ``K = round(density * b)``, ``b = ceil(n / block_size)``; a short last block is zero padded
+  (see :mod:`sparsync.select.blocks`).
+* **naturally sparse gradients** (``reduce_sparse``): the torch sparse COO gradient of
+  ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``. Blocks are the table's rows, the
+  block size its embedding dimension. Such gradients arrive **uncoalesced** (one entry per looked-up
+  token, repeated rows); they are coalesced here (duplicates summed) before anything else, so callers
+  need not. No error feedback on this path (spec §2: "embedding gradients are communicated without
+  error feedback"): every touched row travels. Returns the dense SUM over ranks with the gradient's
+  shape. A fully sparse 2-D COO tensor (``sparse_dim == 2``) is accepted too (its rows become dense
+  blocks). ``reduce_sparse`` does not advance ``step``; its figures go to ``stats`` (like ``reduce``:
+  the last call's) and stay in ``sparse_stats`` after a later dense ``reduce``.
+
+Reducers here (both lossless on what was selected, hence ``conserving = True`` on the dense path):
+
+``blocksparse`` — OmniReduce-style: only non-zero blocks travel. Step 1: all-reduce (MAX) of a
+``uint8`` bitmap with one entry per block → the union ``U`` of the ranks' blocks, the same on every
+rank. Step 2: dense SUM all-reduce of a ``|U| x block_size`` buffer in which every rank fills the
+rows of its own blocks (zeros elsewhere). Ring cost per rank (``vb`` bytes per value)::
+
+    rounds = 4 (P-1)
+    bytes_received = floor(2(P-1) b / P) + floor(2(P-1) |U| block_size vb / P),  K <= |U| <= min(b, P K)
+
+(OmniReduce proper streams non-zero blocks to aggregators; the bitmap + union all-reduce moves the
+same blocks with collectives we have and is the form the S2 paper's comparison reduces to.)
+
+``block_allgather`` — PyTorch's way for sparse gradients (gloo's sparse all-reduce = all-gather of
+indices and values), at block granularity: every rank's ``(block ids, block values)`` in one fused
+buffer (ids as int32 when ``b`` fits, then values), all-gathered by the ring, summed in rank order.
+Dense path (every rank sends exactly ``K`` blocks: fixed size, plain ``allgather``)::
+
+    rounds = P - 1,   bytes_received = (P-1) K (isize + block_size vb)
+
+Embedding path: row counts differ per rank → ``allgatherv`` (padded to the largest; counts as
+unrecorded headers). One fused all-gather instead of torch's two saves ``P-1`` latencies, same bytes.
+
+Summation orders are canonical (rank order / the all-reduce's), so outputs are bitwise identical on
+every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..select.blocks import block_topk, blocks_for_density, check_block_size, num_blocks
+from ..select.topk import check_density
+from ..sketch import block_bitmap, block_elements, blocks_from_bitmap
+from ..sparse import index_dtype_for
+from .base import Reducer
+from .registry import register
+
+__all__ = ["BlockAllgatherReducer", "BlockReducer", "BlockSparseReducer", "coo_rows"]
+
+
+def coo_rows(grad: torch.Tensor):
+    """``(row_ids sorted, row_values (nrows, D), shape)`` of a sparse COO gradient, coalescing it first.
+
+    Accepts hybrid COO with one sparse dimension (embedding gradients: ``indices (1, nnz)``, values
+    ``(nnz, *dense)``) and fully sparse 2-D COO. Raises ``TypeError``/``ValueError`` otherwise.
+    """
+    if not isinstance(grad, torch.Tensor) or grad.layout != torch.sparse_coo:
+        layout = getattr(grad, "layout", type(grad).__name__)
+        raise TypeError(f"reduce_sparse needs a torch sparse COO tensor (an embedding gradient), got {layout}")
+    if not grad.dtype.is_floating_point:
+        raise TypeError(f"reduce_sparse needs a floating-point gradient, got {grad.dtype}")
+    if grad.dim() < 1:
+        raise ValueError("reduce_sparse needs a sparse tensor with at least one dimension")
+    if not grad.is_coalesced():  # nn.Embedding(sparse=True) emits one row per token, repeats included
+        grad = grad.coalesce()
+    shape = tuple(grad.shape)
+    D = math.prod(shape[1:]) if len(shape) > 1 else 1
+    ind, val = grad.indices(), grad.values()
+    if grad.sparse_dim() == 1:
+        return ind[0], val.reshape(ind.shape[1], D), shape
+    if grad.sparse_dim() == 2 and grad.dim() == 2:
+        rows, inverse = torch.unique(ind[0], sorted=True, return_inverse=True)
+        block = torch.zeros(rows.numel(), D, dtype=val.dtype, device=val.device)
+        block[inverse, ind[1]] = val
+        return rows, block, shape
+    raise ValueError(f"reduce_sparse supports COO tensors with sparse_dim 1 (embedding gradients) or a "
+                     f"fully sparse 2-D tensor; got sparse_dim={grad.sparse_dim()}, dense_dim={grad.dense_dim()}")
+
+
+def _padded_blocks(vals: torch.Tensor, nblk: int, block_size: int) -> torch.Tensor:
+    """``(nblk, block_size)`` view of the flat values of sorted blocks; a short last block is zero padded."""
+    missing = nblk * block_size - vals.numel()
+    if missing:
+        vals = torch.cat([vals, vals.new_zeros(missing)])
+    return vals.view(nblk, block_size)
+
+
+def _as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    es = torch.empty(0, dtype=dtype).element_size()
+    piece = buf[start:start + count * es]
+    if piece.storage_offset() % es:
+        piece = piece.clone()
+    return piece.view(dtype)
+
+
+class BlockReducer(Reducer):
+    """Shared base: block top-K + error feedback for ``reduce``, COO handling for ``reduce_sparse``.
+
+    Subclasses implement ``_communicate(ids, idx, vals, nblocks, block_size, numel, expected)`` that
+    returns the dense 1-D sum (length ``numel``) and may set ``self._ctx`` for their feedback.
+    """
+
+    conserving = True
+
+    def __init__(self, comm, density: float = 0.01, block_size: int = 256,
+                 embedding_density: float | None = None, **rest):
+        super().__init__(comm, density=density, **rest)
+        self.block_size = check_block_size(block_size)
+        self.embedding_density = self.density if embedding_density is None else check_density(embedding_density)
+        self.sparse_stats: dict = {}
+        self._checked_shapes: set = set()
+
+    # ------------------------------------------------------------------ dense path
+    @property
+    def nblocks(self) -> int:
+        return num_blocks(self.numel, self.block_size)
+
+    @property
+    def kblocks(self) -> int:
+        """Blocks this rank transmits per dense step."""
+        return blocks_for_density(self.nblocks, self.density)
+
+    def _reduce(self, grad):
+        bs, b = self.block_size, self.nblocks
+        with self.timed("select"):
+            acc = self.accumulate(grad)
+            ids, idx, vals = block_topk(acc, self.kblocks, bs)
+        self.stats["selected"] = idx.numel()
+        self.stats["blocks_selected"] = ids.numel()
+        out = self._communicate(ids, idx, vals, b, bs, self.numel, self.kblocks * bs)
+        with self.timed("select"):
+            self._feedback(acc, idx)
+        return out
+
+    def _feedback(self, acc: torch.Tensor, idx: torch.Tensor) -> None:
+        self.keep_unsent(acc, idx)
+
+    # ------------------------------------------------------------------ embedding path
+    def reduce_sparse(self, grad: torch.Tensor) -> torch.Tensor:
+        """SUM over ranks of a sparse COO embedding gradient, as a dense tensor of the same shape.
+
+        Uncoalesced input is coalesced first. Bitwise identical on every rank. No error feedback.
+        """
+        self.stats = {"select_s": 0.0, "comm_s": 0.0}
+        snap = self.comm.ledger.snapshot()
+        t0 = time.perf_counter()
+        with self.timed("select"):
+            rows, block, shape = coo_rows(grad)
+        if shape not in self._checked_shapes:
+            self.comm.check_same(len(shape), "sparse gradient rank")
+            for i, s in enumerate(shape):
+                self.comm.check_same(s, f"sparse gradient dim {i}")
+            self._checked_shapes.add(shape)
+        V, D = shape[0], block.shape[1]
+        n = V * D
+        rows = rows.to(self.comm.device)
+        block = block.to(self.comm.device)
+        idx = block_elements(rows, D, n)
+        expected = max(1, round(self.embedding_density * V)) * D
+        with self.comm.phase(self.name + ":sparse"):
+            out = self._communicate(rows, idx, block.reshape(-1), V, D, n, expected, dense_path=False)
+        self._sync()
+        cost = self.comm.ledger.since(snap)
+        self.stats.update(selected=idx.numel(), density=idx.numel() / max(1, n), blocks_selected=rows.numel(),
+                          target_density=self.embedding_density,
+                          bytes_sent=cost["bytes_sent"], bytes_received=cost["bytes_received"],
+                          messages=cost["messages_sent"], rounds=cost["rounds"],
+                          total_s=time.perf_counter() - t0)
+        self.sparse_stats = self.stats
+        return out.view(shape)
+
+    # ------------------------------------------------------------------ subclass hook
+    def _communicate(self, ids, idx, vals, nblocks, block_size, numel, expected, dense_path=True):
+        raise NotImplementedError
+
+
+@register("blocksparse")
+class BlockSparseReducer(BlockReducer):
+    """OmniReduce-style block-sparse all-reduce: bitmap MAX all-reduce, then the union's blocks summed."""
+
+    def _communicate(self, ids, idx, vals, nblocks, block_size, numel, expected, dense_path=True):
+        dev = self.comm.device
+        with self.timed("comm"):
+            bitmap = block_bitmap(ids, nblocks, dtype=torch.uint8, device=dev)
+            union = blocks_from_bitmap(self.comm.allreduce(bitmap, "max"))
+            out = torch.zeros(nblocks, block_size, dtype=vals.dtype, device=dev)
+            if union.numel():
+                buf = torch.zeros(union.numel(), block_size, dtype=vals.dtype, device=dev)
+                buf[torch.searchsorted(union, ids)] = _padded_blocks(vals, ids.numel(), block_size)
+                out[union] = self.comm.allreduce(buf.view(-1), "sum").view(-1, block_size)
+        self.stats["union_blocks"] = union.numel()
+        self.stats["bitmap_entries"] = nblocks
+        return out.view(-1)[:numel]
+
+    @classmethod
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, block_size=256, union_blocks=None, **_):
+        """Two ring all-reduces (uint8 bitmap, then ``|U|`` blocks); ``|U|`` bounded by ``[K, min(b, PK)]``
+        unless ``union_blocks`` is given. ``k`` = elements per rank (``K = ceil(k / block_size)``)."""
+        b = num_blocks(n, block_size)
+        K = min(b, max(1, math.ceil(k / block_size)))
+        if P == 1:
+            return {"rounds": 0, "bytes_received": 0}
+
+        def vol(u):
+            return 2 * (P - 1) * b // P + 2 * (P - 1) * (u * block_size * value_bytes) // P
+
+        if union_blocks is not None:
+            br = vol(int(union_blocks))
+        else:
+            br = (vol(K), vol(min(b, P * K)))
+        return {"rounds": 4 * (P - 1), "bytes_received": br}
+
+
+@register("block_allgather")
+class BlockAllgatherReducer(BlockReducer):
+    """All-gather of every rank's (block ids, block values), summed in rank order (PyTorch's way)."""
+
+    def _communicate(self, ids, idx, vals, nblocks, block_size, numel, expected, dense_path=True):
+        dev = self.comm.device
+        itype = index_dtype_for(nblocks)
+        ib = torch.empty(0, dtype=itype).element_size()
+        vb = vals.element_size()
+        with self.timed("comm"):
+            blocks = _padded_blocks(vals, ids.numel(), block_size)
+            buf = torch.cat([ids.to(itype).view(torch.uint8), blocks.reshape(-1).view(torch.uint8)])
+            bufs = self.comm.allgather(buf) if dense_path else self.comm.allgatherv(buf)
+            out = torch.zeros(nblocks, block_size, dtype=vals.dtype, device=dev)
+            for b_ in bufs:  # rank order: the same summation on every rank
+                kr = b_.numel() // (ib + block_size * vb)
+                if kr:
+                    rid = _as(b_, 0, kr, itype).to(torch.int64)
+                    rv = _as(b_, kr * ib, kr * block_size, vals.dtype).view(kr, block_size)
+                    out.index_add_(0, rid, rv)
+        return out.view(-1)[:numel]
+
+    @classmethod
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, block_size=256, **_):
+        """Ring all-gather of ``K`` block ids + ``K`` blocks per rank (dense path, fixed size)."""
+        b = num_blocks(n, block_size)
+        K = min(b, max(1, math.ceil(k / block_size)))
+        return {"rounds": P - 1, "bytes_received": (P - 1) * K * (index_bytes + block_size * value_bytes)}

@@ -1,0 +1,78 @@
+"""Synthetic sparse inputs (``sparsync.bench.patterns``): supports, overlap, determinism, errors."""
+
+import pytest
+import torch
+
+from sparsync.bench.patterns import PATTERNS, make_sparse, sample_distinct
+from sparsync.select.topk import k_for_density
+
+
+def _check_valid(sv, numel, k):
+    assert sv.numel == numel and sv.nnz == k
+    assert sv.indices.dtype == torch.int64
+    if k:
+        assert int(sv.indices.min()) >= 0 and int(sv.indices.max()) < numel
+        assert bool(torch.all(sv.indices[1:] > sv.indices[:-1]))  # sorted, unique
+        assert bool(torch.all(sv.values != 0))
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("P,numel,density", [(1, 10, 1.0), (4, 1000, 0.01), (5, 12345, 0.05), (8, 100_000, 0.1),
+                                             (3, 7, 0.3)])
+def test_patterns_valid_and_deterministic(pattern, P, numel, density):
+    k = k_for_density(numel, density)
+    if pattern == "disjoint" and P * k > numel:
+        with pytest.raises(ValueError, match="disjoint"):
+            make_sparse(pattern, 0, P, numel, density)
+        return
+    svs = [make_sparse(pattern, r, P, numel, density, seed=3) for r in range(P)]
+    for sv in svs:
+        _check_valid(sv, numel, k)
+    again = [make_sparse(pattern, r, P, numel, density, seed=3) for r in range(P)]
+    assert all(a == b for a, b in zip(svs, again))
+    union = torch.unique(torch.cat([s.indices for s in svs])).numel()
+    if pattern == "identical":
+        assert union == k
+        assert all(torch.equal(s.indices, svs[0].indices) for s in svs)
+        if P > 1:
+            assert not torch.equal(svs[0].values, svs[1].values)
+    elif pattern == "disjoint":
+        assert union == P * k
+    else:
+        assert k <= union <= min(numel, P * k)
+
+
+def test_random_union_matches_expectation_and_seeds_differ():
+    P, n, d = 8, 200_000, 0.05
+    svs = [make_sparse("random", r, P, n, d) for r in range(P)]
+    union = torch.unique(torch.cat([s.indices for s in svs])).numel()
+    expect = n * (1 - (1 - d) ** P)
+    assert abs(union - expect) < 0.01 * expect
+    a, b = make_sparse("random", 0, P, n, d, seed=0), make_sparse("random", 0, P, n, d, seed=1)
+    assert not torch.equal(a.indices, b.indices)
+    assert make_sparse("random", 0, 2, n, d, dtype=torch.float64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("n,k", [(20, 3), (400, 5)])  # randperm branch and oversampling branch
+def test_sample_distinct_is_uniform(n, k):
+    g = torch.Generator().manual_seed(0)
+    draws = torch.stack([sample_distinct(n, k, g) for _ in range(3000)])
+    assert bool(torch.all(draws[:, 1:] > draws[:, :-1]))
+    counts = torch.bincount(draws.flatten(), minlength=n).double()
+    expect = 3000 * k / n
+    # every value equally likely: chi-square statistic near its mean n-1 (sd sqrt(2(n-1)))
+    chi2 = float(((counts - expect) ** 2 / expect).sum())
+    assert chi2 < (n - 1) + 6 * (2 * (n - 1)) ** 0.5
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="unknown pattern"):
+        make_sparse("clustered", 0, 2, 100, 0.1)
+    with pytest.raises(ValueError, match="density"):
+        make_sparse("random", 0, 2, 100, 0.0)
+    with pytest.raises(ValueError, match="rank"):
+        make_sparse("random", 2, 2, 100, 0.1)
+    with pytest.raises(ValueError, match="disjoint"):
+        make_sparse("disjoint", 0, 4, 100, 0.5)
+    with pytest.raises(ValueError, match="distinct"):
+        sample_distinct(5, 6, torch.Generator())

@@ -1,0 +1,73 @@
+"""Timing helpers (``sparsync.bench.reducers``, ``.report``): summaries, ledger bytes, digests."""
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.bench.patterns import make_sparse
+from sparsync.bench.reducers import digest, summarize, time_collective, time_reducer
+from sparsync.bench.report import fmt_num, format_table, write_csv
+
+
+def test_summarize_is_median_of_max_over_ranks():
+    r0 = [{"total_s": 1.0, "comm_s": 0.5, "bytes_sent": 10, "density": 0.1},
+          {"total_s": 5.0, "comm_s": 0.1, "bytes_sent": 10, "density": 0.1},
+          {"total_s": 2.0, "comm_s": 0.2, "bytes_sent": 30, "density": 0.3}]
+    r1 = [{"total_s": 3.0, "comm_s": 0.1, "bytes_sent": 20, "density": 0.3},
+          {"total_s": 1.0, "comm_s": 0.7, "bytes_sent": 20, "density": 0.3},
+          {"total_s": 4.0, "comm_s": 0.3, "bytes_sent": 10, "density": 0.1}]
+    s = summarize([r0, r1])
+    assert s["total_s_all"] == [3.0, 5.0, 4.0] and s["total_s"] == 4.0
+    assert s["comm_s"] == 0.5  # max per step: 0.5, 0.7, 0.3
+    assert s["bytes_sent"] == 20
+    assert s["density"] == pytest.approx(0.2)
+    assert s["steps"] == 3 and s["world_size"] == 2
+    with pytest.raises(ValueError):
+        summarize([r0, []])
+
+
+def _collective_worker(comm):
+    sv = make_sparse("random", comm.rank, comm.world_size, 10_000, 0.01)
+    ag = time_collective(comm, "allgather", sv, steps=3, warmup=1, check=True)
+    de = time_collective(comm, "dense", sv, steps=2, warmup=0, check=True)
+    red = time_reducer(comm, "topka", 10_000, density=0.01, steps=2, warmup=1)
+    return ag, de, red
+
+
+def test_time_collective_and_reducer_thread_backend():
+    P, n, k = 4, 10_000, 100
+    res = ss.run_local(_collective_worker, P, backend="thread")
+    for ag, de, red in res:
+        assert [r["step"] for r in ag] == [0, 1, 2] and len(de) == 2 and len(red) == 2
+        # ledger: ring all-gather of 8 + k*(4+4) bytes per rank (int32 indices, float32 values)
+        assert all(r["bytes_received"] == (P - 1) * (8 + k * 8) and r["rounds"] == P - 1 for r in ag)
+        assert all(r["bytes_sent"] == 2 * (P - 1) * n * 4 // P for r in de)
+        assert all({"select_s", "comm_s", "total_s", "wall_s", "selected"} <= set(r) for r in red)
+        assert all(r["selected"] == k for r in red)
+    # the sum is bitwise the same on every rank, and equals the dense all-reduce of the same inputs
+    assert len({ag[-1]["digest"] for ag, _, _ in res}) == 1
+    ref = sum(make_sparse("random", r, P, n, 0.01).to_dense() for r in range(P))
+    assert res[0][0][-1]["out_nnz"] == int(torch.count_nonzero(ref))
+    with pytest.raises(ValueError, match="unknown algorithm"):
+        ss.run_local(lambda c: time_collective(c, "nope", make_sparse("random", c.rank, 2, 10, 0.5)), 2)
+
+
+def test_digest_distinguishes_values_and_layout():
+    a = torch.arange(5.0)
+    assert digest(a) == digest(a.clone()) != digest(a + 1)
+    sv = ss.SparseVec(torch.tensor([1, 3]), torch.tensor([1.0, 2.0]), 5)
+    sv2 = ss.SparseVec(torch.tensor([1, 4]), torch.tensor([1.0, 2.0]), 5)
+    assert digest(sv) != digest(sv2)
+
+
+def test_report_table_and_csv(tmp_path):
+    rows = [{"a": "x", "b": 1.5, "t": [0.1, 0.2]}, {"a": "longer", "b": None}]
+    txt = format_table(rows, [("a", "A"), ("b", "B")])
+    lines = txt.splitlines()
+    assert len(lines) == 4 and len({len(x) for x in lines}) == 1 and "-" in lines[-1]
+    md = format_table(rows, [("a", "A"), ("b", "B")], markdown=True)
+    assert md.splitlines()[0] == "| A | B |" and md.splitlines()[2] == "| x | 1.5 |"
+    path = tmp_path / "sub" / "r.csv"
+    write_csv(str(path), rows)
+    assert path.read_text().splitlines() == ["a,b,t", "x,1.5,0.1;0.2", "longer,,"]
+    assert fmt_num(10_000_000) == "1e7" and fmt_num(2_500_000.0) == "2.5e6" and fmt_num(0.001) == "0.001"
