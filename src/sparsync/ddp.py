@@ -1,0 +1,371 @@
+"""SparseDDP — a drop-in for ``DistributedDataParallel`` whose gradient exchange is a sparsync reducer.
+
+::
+
+    ddp = ss.SparseDDP(model, comm, reducer="spardl", density=0.01, merge="mgwfbp",
+                       reducer_options={...}, timeline="trace.json")
+    loss = loss_fn(ddp(x), y); loss.backward()   # .grad = average over ranks (sum / P)
+    opt.step(); ddp.last_stats                   # select_s, comm_s, wait_s, bytes, density, groups, ...
+
+What it does (``spec/mgwfbp.md`` §5, issue 6):
+
+* at construction: checks that every rank has the same trainable parameters (count, shapes, dtypes;
+  a clear ``ValueError`` naming the first difference otherwise), broadcasts parameters and buffers
+  from rank 0;
+* during backward: gradients are grouped by the merge plan (``wfbp``, ``single``,
+  ``buckets:<MB>``, ``mgwfbp``, ``optimal``; see :mod:`sparsync.schedule.merge`), one reducer
+  (``ss.make_reducer``) per group, reduced on a communication thread while backward continues
+  (:mod:`sparsync.schedule.engine`);
+* when ``loss.backward()`` returns, every ``param.grad`` holds ``sum over ranks / P`` of what the
+  reducers transmitted — bitwise identical on every rank, so parameters stay identical;
+* ``state_dict()`` / ``load_state_dict()``: module parameters and buffers, the plan, and every
+  reducer's state (residuals, step counters, the method's own state), with no process group
+  inside, so a resumed run continues bitwise identically;
+* sparse gradients (``nn.Embedding(sparse=True)``) are densified into their group, or — when the
+  reducer has a ``reduce_sparse(coo)`` method — sent alone through it.
+
+Also here: :func:`ddp_hook`, the adapter that puts a sparsync reducer on torch DDP's buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from .schedule.engine import OverlapEngine
+
+__all__ = ["DDPHook", "SparseDDP", "ddp_hook"]
+
+
+class SparseDDP(nn.Module):
+    """Wrap ``module`` for data-parallel training over the sparsync ``comm``.
+
+    Args:
+        module: the model (identical architecture on every rank).
+        comm: a :class:`sparsync.Comm` (``TorchComm`` or ``ThreadComm``), or a torch process group
+            (wrapped in a ``TorchComm``), or None for the default process group.
+        reducer: registered reducer name (``dense``, ``topka``, ...; see ``ss.make_reducer``).
+        density: fraction of entries each reducer may send.
+        merge: ``"wfbp"``, ``"single"``, ``"buckets:<MB>"``, ``"mgwfbp"`` or ``"optimal"``.
+        reducer_options: extra keyword options for the reducer.
+        nonfinite: ``"error"`` (default: NaN/Inf gradient on any rank raises ``FloatingPointError``
+            on every rank), ``"skip"`` (every rank drops the step: ``.grad`` set to None),
+            ``"ignore"`` (no check, no flag exchange).
+        unused: ``"zero"`` (default: parameters without a gradient contribute zeros, like
+            ``find_unused_parameters=True``) or ``"error"`` (raise on every rank).
+        broadcast_buffers: broadcast rank 0's buffers before every forward (like DDP); default True.
+        profile_warmup, profile_steps: steps before / of profiling for ``mgwfbp``/``optimal``.
+        cost_model: ``(a, b)`` seconds and seconds per byte, or a ``CostModel``; skips the fit.
+        profile: a ``BackwardProfile`` / ``{"order", "t_b"}``; with ``cost_model`` skips profiling.
+        timeline: path of a Chrome-trace JSON per rank (``{rank}`` or ``.rank<r>`` is inserted).
+    """
+
+    def __init__(self, module: nn.Module, comm=None, reducer: str = "dense", density: float = 0.01,
+                 merge: str = "single", reducer_options: dict | None = None, *, nonfinite: str = "error",
+                 unused: str = "zero", broadcast_buffers: bool = True, profile_warmup: int = 2,
+                 profile_steps: int = 5, cost_model=None, profile=None, timeline: str | None = None,
+                 timeline_steps: int = 50, cost_max_bytes: int = 64 << 20):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"SparseDDP wraps an nn.Module, got {type(module).__name__}")
+        comm = _as_comm(comm)
+        self.module = module
+        self.comm = comm
+        self.broadcast_buffers = bool(broadcast_buffers)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("SparseDDP: the module has no trainable parameters")
+        _check_same_params(comm, named)
+        if comm.world_size > 1:
+            with comm.phase("sparseddp-init"):
+                _broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), comm)
+        sparse_ids = _sparse_grad_params(module)
+        sparse_idx = [i for i, (_, p) in enumerate(named) if id(p) in sparse_ids]
+        self._engine = OverlapEngine(
+            [p for _, p in named], [n for n, _ in named], comm, reducer, density, reducer_options, merge,
+            nonfinite=nonfinite, unused=unused, profile_warmup=profile_warmup, profile_steps=profile_steps,
+            cost_model=cost_model, profile=profile, timeline=timeline, timeline_steps=timeline_steps,
+            sparse_params=sparse_idx, cost_max_bytes=cost_max_bytes)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and torch.is_grad_enabled():
+            bufs = [b for b in self.module.buffers()]
+            if bufs and self.comm.world_size > 1:
+                with self.comm.phase("sparseddp-buffers"):
+                    _broadcast_tensors(bufs, self.comm)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            flat, _ = torch.utils._pytree.tree_flatten(out)
+            eng = self._engine
+            for t in flat:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda g: eng.mark_backward_start())
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside the block only accumulate local gradients (like DDP.no_sync)."""
+        prev = self._engine.sync_enabled
+        self._engine.sync_enabled = False
+        try:
+            yield
+        finally:
+            self._engine.sync_enabled = prev
+
+    # ------------------------------------------------------------------ information
+    @property
+    def last_stats(self) -> dict:
+        """Statistics of the last synchronised step (see module docstring)."""
+        return self._engine.last_stats
+
+    @property
+    def groups(self) -> list[list[str]]:
+        """Current merge groups as parameter names, in communication order."""
+        e = self._engine
+        return [[e.names[i] for i in g] for g in e.groups]
+
+    @property
+    def engine(self) -> OverlapEngine:
+        return self._engine
+
+    @property
+    def reducers(self) -> list:
+        return self._engine.reducers
+
+    def predictions(self, t_f: float = 0.0) -> dict:
+        """Predicted iteration time per strategy (after profiling; empty before)."""
+        return self._engine.predictions(t_f=t_f)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, *args, **kwargs) -> dict:
+        """``{"module": module.state_dict(), "sparsync": engine state}`` (no process group inside)."""
+        return {"module": self.module.state_dict(), "sparsync": self._engine.state_dict()}
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        if not isinstance(state_dict, dict) or "module" not in state_dict or "sparsync" not in state_dict:
+            raise ValueError("SparseDDP.load_state_dict expects the dict returned by SparseDDP.state_dict()")
+        res = self.module.load_state_dict(state_dict["module"], strict=strict)
+        self._engine.load_state_dict(state_dict["sparsync"])
+        return res
+
+    def close(self) -> None:
+        """Remove the hooks and stop the communication thread."""
+        self._engine.close()
+
+    def __del__(self):
+        try:
+            self._engine.close()
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown
+            pass
+
+
+# ---------------------------------------------------------------------- helpers
+def _as_comm(comm):
+    from .comm import Comm
+
+    if isinstance(comm, Comm):
+        return comm
+    from .torchcomm import TorchComm
+
+    return TorchComm(group=comm)
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def _check_same_params(comm, named):
+    """Every rank must have the same trainable parameters: count, then shapes + dtypes."""
+    comm.check_same(len(named), "number of trainable parameters")
+    if comm.world_size == 1:
+        return
+    rows = []
+    for _, p in named:
+        if p.dim() > 8:
+            raise ValueError("SparseDDP supports parameters of at most 8 dimensions")
+        code = _DTYPES.index(p.dtype) if p.dtype in _DTYPES else 99
+        rows.append([p.dim(), code] + list(p.shape) + [-1] * (8 - p.dim()))
+    mine = torch.tensor(rows, dtype=torch.int64, device=comm.device).reshape(-1)
+    with comm.unrecorded():
+        allr = [t.cpu().reshape(len(named), 10) for t in comm.allgather(mine)]
+    for r, t in enumerate(allr):
+        diff = (t != allr[0]).any(dim=1).nonzero()
+        if diff.numel():
+            i = int(diff[0])
+            name = named[i][0]
+
+            def desc(row):
+                d = int(row[0])
+                dt = _DTYPES[int(row[1])] if int(row[1]) < len(_DTYPES) else "?"
+                return f"shape {tuple(int(x) for x in row[2:2 + d])} {dt}"
+
+            raise ValueError(f"SparseDDP: trainable parameter #{i} ({name!r}) differs across ranks: "
+                             f"{desc(allr[0][i])} on rank 0 but {desc(t[i])} on rank {r}; every rank must "
+                             "build the same model")
+
+
+def _broadcast_tensors(tensors, comm, src=0):
+    """Broadcast a list of tensors from ``src`` in place (one message per dtype)."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for ts in by_dtype.values():
+            flat = torch.cat([t.detach().reshape(-1) for t in ts])
+            if flat.dtype == torch.bool:
+                out = comm.broadcast(flat.to(torch.uint8), src).to(torch.bool)
+            else:
+                out = comm.broadcast(flat, src)
+            for t, piece in zip(ts, torch.split(out, [t.numel() for t in ts])):
+                t.copy_(piece.view_as(t))
+
+
+def _sparse_grad_params(module) -> set:
+    ids = set()
+    for m in module.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False):
+            ids.add(id(m.weight))
+    return ids
+
+
+# ---------------------------------------------------------------------- torch DDP adapter
+class DDPHook:
+    """Comm hook for ``torch.nn.parallel.DistributedDataParallel`` running a sparsync reducer per bucket.
+
+    ``model.register_comm_hook(state, ss.ddp_hook("topka", density=0.01))``: ``state`` may be None
+    (a ``TorchComm`` over DDP's default group is created on first use), a sparsync ``Comm``, a
+    process group, or the DDP model itself (its ``process_group`` is used). One reducer per bucket
+    index (``bucket.index()``); returns the averaged bucket (sum / P). The reduce runs synchronously
+    inside the hook (no overlap beyond what DDP's bucketing gives).
+
+    DDP lays its buckets out in one order in the first iteration and rebuilds them in gradient-ready
+    order after it, so a bucket's contents can move. The hook therefore needs to know the model's
+    parameters to keep residuals right across a rebuild or a resume: pass ``module=`` to
+    :func:`ddp_hook` (or the DDP model as ``state``). It then records each bucket's layout (parameter
+    indices of ``module.parameters()``), and ``state_dict()`` stores residuals **per parameter**; a
+    reducer created for a new layout gets its residual re-assembled from those pieces (other reducer
+    state is kept only when the layout is unchanged). Without a module, a bucket whose size changes
+    gets a fresh reducer and a loaded state is used only for a bucket of the same size — correct only
+    if the layout did not change (a warning says so).
+    """
+
+    def __init__(self, reducer: str, density: float = 0.01, module=None, **options):
+        from .reducers.registry import load_all
+
+        if reducer not in load_all():
+            raise ValueError(f"unknown reducer {reducer!r}; valid: {', '.join(sorted(load_all()))}")
+        self.reducer_name = reducer
+        self.__name__ = self.__qualname__ = f"sparsync_{reducer}_hook"  # torch DDP reads these
+        self.density = density
+        self.options = options
+        self.comm = None
+        self.module = module
+        self._pindex = None
+        self.reducers: dict[int, object] = {}
+        self.layouts: dict[int, list | None] = {}
+        self._pending: dict | None = None
+        self.last_stats: dict = {}
+
+    def _comm_for(self, state):
+        if self.comm is None:
+            if isinstance(state, nn.Module):
+                if self.module is None:
+                    self.module = state
+                state = getattr(state, "process_group", None)
+            self.comm = _as_comm(state)
+        return self.comm
+
+    def _layout(self, bucket):
+        if self.module is None:
+            return None
+        if self._pindex is None:
+            self._pindex = {id(p): i for i, p in enumerate(self.module.parameters())}
+        try:
+            return [self._pindex[id(p)] for p in bucket.parameters()]
+        except KeyError:
+            return None
+
+    def _new_reducer(self, idx, numel, layout):
+        from .reducers.registry import make_reducer
+
+        r = make_reducer(self.reducer_name, self.comm, self.density, **self.options)
+        pend = self._pending
+        if pend is None:
+            return r
+        saved = pend["buckets"].get(idx)
+        if saved is not None and saved.get("layout") == layout and saved["state"].get("numel") in (None, numel):
+            if layout is None:
+                import warnings
+
+                warnings.warn("sparsync ddp_hook: loading bucket state without a module; correct only if DDP's "
+                              "bucket layout is unchanged (pass module= to ddp_hook)", stacklevel=3)
+            r.load_state_dict(saved["state"])
+        elif layout is not None and pend.get("per_param"):
+            pieces = pend["per_param"]
+            if all(i in pieces for i in layout):
+                r.residual = torch.cat([pieces[i].reshape(-1) for i in layout]).to(self.comm.device)
+                r.numel = r.residual.numel()
+            r.step = int(pend.get("step", 0))
+        return r
+
+    def __call__(self, state, bucket):
+        comm = self._comm_for(state)
+        buf = bucket.buffer()
+        idx = int(bucket.index())
+        layout = self._layout(bucket)
+        r = self.reducers.get(idx)
+        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
+            if r is not None and self._pending is None and layout is not None:
+                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
+            r = self._new_reducer(idx, buf.numel(), layout)
+            self.reducers[idx] = r
+            self.layouts[idx] = layout
+        out = r.reduce(buf.reshape(-1)).reshape(buf.shape).to(buf.dtype) / comm.world_size
+        self.last_stats[idx] = dict(r.stats)
+        if bucket.is_last():
+            self._pending = None if all(i in self.reducers for i in (self._pending or {}).get("buckets", {})) \
+                else self._pending
+        fut = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
+    def _param_sizes(self):
+        return [p.numel() for p in self.module.parameters()] if self.module is not None else None
+
+    def state_dict(self) -> dict:
+        """Reducer state per bucket (+ residual pieces per parameter when the module is known)."""
+        buckets = {i: {"state": r.state_dict(), "layout": self.layouts.get(i)} for i, r in self.reducers.items()}
+        per_param, step = {}, 0
+        sizes = self._param_sizes()
+        for i, r in self.reducers.items():
+            step = max(step, r.step)
+            lay = self.layouts.get(i)
+            if lay is not None and r.residual is not None:
+                for pi, piece in zip(lay, torch.split(r.residual.detach().cpu(), [sizes[j] for j in lay])):
+                    per_param[pi] = piece.clone()
+        if self._pending:  # buckets not seen since a load keep their saved state
+            for i, b in self._pending["buckets"].items():
+                buckets.setdefault(i, b)
+            for pi, piece in self._pending.get("per_param", {}).items():
+                per_param.setdefault(pi, piece)
+        return {"reducer": self.reducer_name, "buckets": buckets, "per_param": per_param, "step": step}
+
+    def load_state_dict(self, d: dict) -> None:
+        if d.get("reducer") != self.reducer_name:
+            raise ValueError(f"hook state is for reducer {d.get('reducer')!r}, not {self.reducer_name!r}")
+        self._pending = {"buckets": dict(d["buckets"]), "per_param": dict(d.get("per_param") or {}),
+                         "step": int(d.get("step", 0))}
+        self.reducers = {}
+        self.layouts = {}
+
+
+def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, **options) -> DDPHook:
+    """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
+
+    ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
+    rebuild and across a resume.
+    """
+    return DDPHook(reducer, density, module=module, **options)
