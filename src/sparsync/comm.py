@@ -260,13 +260,18 @@ class Comm(ABC):
         sizes = {s: spec[0] for s, spec in recvs if isinstance(spec, tuple)}
         dtypes = {s: (spec[1] if isinstance(spec, tuple) else spec) for s, spec in recvs}
         if var_sends or var_recvs:
-            sizes.update(self._exchange_headers(var_sends, [s for s, _ in var_recvs]))
+            sizes.update(self.exchange_sizes(var_sends, [s for s, _ in var_recvs]))
         all_sends = fixed_sends + var_sends
         handles = self.post(all_sends, [(s, sizes[s], dtypes[s]) for s, _ in recvs], rounds=rounds)
         return {s: h.wait() for (s, _), h in zip(recvs, handles)}
 
-    def _exchange_headers(self, sends, srcs) -> dict[int, int]:
-        """Size headers for variable-size messages (one int64 each, recorded as header traffic)."""
+    def exchange_sizes(self, sends, srcs) -> dict[int, int]:
+        """Send the element count of each ``(dst, tensor)`` and receive one count from each of ``srcs``.
+
+        The size-header half of the variable-size protocol, public for algorithms that post the
+        payloads themselves (counts first, then :meth:`post` with known sizes to overlap work with
+        in-flight receives). One int64 per message, recorded as header traffic.
+        """
         hdr_sends = [(self._check_peer(d, "send"), torch.tensor([_as_1d(t, "send").numel()],
                       dtype=torch.int64, device=self.device)) for d, t in sends]
         hdr_recvs = [(self._check_peer(s, "recv"), 1, torch.int64) for s in srcs]

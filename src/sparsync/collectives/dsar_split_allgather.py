@@ -1,0 +1,106 @@
+"""DSAR_Split_AllGather: sparse split-and-sum, then the owned part dense, dense all-gather (§3.3).
+
+Same split phase as :mod:`.ssar_split_allgather` (direct sparse sends, overlapped summation); the
+owned part (``N/P'`` values) is then made dense and a dense all-gather finishes. For the dynamic
+case: results denser than the break-even point ``delta``.
+
+Dense all-gather (option ``allgather``): ``"ring"`` (default) is the comm's all-gather (gloo's ring,
+as MPI uses for large messages in the thesis' experiments); all ``P`` ranks take part, so folded
+ranks get the result without an unfold step. ``"recdbl"`` is recursive doubling over point-to-point
+messages of known size (the ``log2 P`` rounds of the thesis' formula), then unfold. Implementation
+choice: ring by default, because on the emulated 1 Gbit/s cluster our Python-level recursive
+doubling (three sequential exchanges plus concatenation copies) was about 2x slower than its wire
+time (see ``docs/benchmarks.md``).
+
+Cost per rank, ``P`` a power of two, ``N`` divisible by ``P``, ``k/P`` items per part per rank, in
+**bytes received** (``s(m, d) = 8 + min(m(c+isize), d*isize)``; comm size headers excluded)::
+
+    rounds         = (P - 1) + (P - 1)        ring      |  (P - 1) + log2 P    recdbl
+    bytes_received = (P-1) * s(k/P, N/P)  +  (P-1)/P * N * isize
+      (thesis: [(P-1)/P N, k + (P-1)/P N] items; the split volume is the same for every pattern)
+
+Non-power-of-two ``P`` with the ring: the pieces are padded to ``ceil(N/P')`` and every one of the
+``P`` ranks contributes one, so ``(P-1) * ceil(N/P') * isize`` bytes, one fold round.
+"""
+
+from __future__ import annotations
+
+from ..sparse import SparseVec
+from .registry import register
+from .sparcml_common import (
+    CostSim,
+    allgather_concat,
+    as_stream,
+    densify,
+    expected_union,
+    fold,
+    index_bytes_for,
+    log2i,
+    num,
+    part_bounds,
+    pow2_floor,
+    ring_allgather_dense,
+    unfold,
+)
+from .ssar_split_allgather import _label, split_and_sum, split_phase_cost
+
+ALLGATHERS = ("ring", "recdbl")
+
+
+def check_allgather(name) -> str:
+    if name not in ALLGATHERS:
+        raise ValueError(f"dense all-gather must be one of {', '.join(ALLGATHERS)}, got {name!r}")
+    return name
+
+
+@register("dsar_split_allgather")
+def dsar_split_allgather(sv: SparseVec, comm, allgather: str = "ring", **_):
+    check_allgather(allgather)
+    x = as_stream(sv)
+    if comm.world_size == 1:
+        return x
+    f, x = fold(comm, x, sv.numel, sv.dtype)
+    bounds = part_bounds(sv.numel, f.Pp)
+    acc = None
+    if f.active:
+        bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
+        acc = densify(acc)
+    if allgather == "ring":
+        with comm.phase(_label(comm, "allgather")):
+            return ring_allgather_dense(comm, f, acc, bounds, lambda v: v, sv.dtype, sv.device)
+    if f.active:
+        with comm.phase(_label(comm, "allgather")):
+            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype, dense=True)
+    return unfold(comm, f, x, sv.numel, sv.dtype)
+
+
+def dsar_split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random", allgather="ring"):
+    """See the module docstring (the same for every pattern)."""
+    if index_bytes is None:
+        index_bytes = index_bytes_for(n)
+    Pp = pow2_floor(P)
+    L = log2i(Pp)
+    extra = 2 if Pp != P else 0
+    sim = CostSim(value_bytes, index_bytes)
+    d = n // Pp
+    kp = k / Pp
+    if pattern == "identical":
+        union = lambda j: kp
+    elif pattern == "expected":
+        union = lambda j: round(expected_union(kp, d, j))
+    else:
+        union = lambda j: min(d, j * kp)
+    split, _ = split_phase_cost(sim, Pp, n, k, union)
+    sim.densify(d)
+    sim.dense_elems += (Pp - 1) * d  # concatenation copies of the dense all-gather
+    ag = (Pp - 1) * d * value_bytes
+    if check_allgather(allgather) == "ring":
+        rounds = (Pp - 1) + (P - 1) + (1 if Pp != P else 0)      # fold only; the ring reaches everyone
+        ag = (P - 1) * -(-n // Pp) if Pp != P else (P - 1) * d   # padded pieces of max size
+        ag *= value_bytes
+    else:
+        rounds = (Pp - 1) + L + extra
+    return {"rounds": rounds if P > 1 else 0, "bytes_received": num(split + ag), "compute": sim.work()}
+
+
+register("dsar_split_allgather", cost=dsar_split_allgather_cost)(dsar_split_allgather)

@@ -1,0 +1,332 @@
+"""Shared pieces of the SparCML sparse all-reduce family (``spec/sparcml.md`` §3-5).
+
+* **Streams**: a payload (:class:`~sparsync.sparse.SparseVec` or dense 1-D tensor) travels encoded
+  by :func:`sparsync.sparse.encode` (8-byte item count, int32 indices, values; dense when the sparse
+  form would not be smaller). ``stream_bytes(m, d)`` is the size of that buffer for ``m`` items in
+  dimension ``d``; every cost formula of the family is written in these **bytes** (payload bytes as
+  the ledger records them; the comm layer's own 8-byte size headers are recorded separately as
+  ``header_bytes`` and are *not* part of the formulas).
+* **Fold/unfold** for a world size that is not a power of two (§3.5, MPICH style): with
+  ``P' = 2^floor(log2 P)`` and ``e = P - P'``, ranks ``< 2e`` pair up, the odd one sends its stream to
+  the even one (one round), which sums; the ``P'`` survivors run the algorithm under a *virtual rank*
+  (``r/2`` for the even ranks ``< 2e``, ``r - e`` for the rest); afterwards each even rank ``< 2e``
+  sends the result back to its odd partner (one round).
+* **Index-range split** (§3.2): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
+  remainder; ``split_stream`` cuts a payload into those parts, re-based to the part (dimension = part
+  size), in one vectorised ``searchsorted``.
+* **Case-2 concatenation** (§5): adjacent subspaces, lower first; both sparse -> sparse (switched to
+  dense if the combined sparse form is not smaller), anything dense -> dense.
+* **Canonical summation**: all summations of more than two operands happen on exactly one rank (the
+  owner of a part) in a fixed order, and two-operand sums are commutative bitwise, so every rank
+  ends with a bitwise identical result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..sparse import SparseVec, add, decode, encode, index_dtype_for, sparse_is_smaller
+
+__all__ = [
+    "CostSim",
+    "Fold",
+    "allgather_concat",
+    "as_stream",
+    "concat",
+    "densify",
+    "direct_split_sum",
+    "exchange_stream",
+    "expected_union",
+    "fold",
+    "part_bounds",
+    "pow2_floor",
+    "send_stream",
+    "split_stream",
+    "stream_bytes",
+    "unfold",
+]
+
+
+# ---------------------------------------------------------------------- small helpers
+def pow2_floor(P: int) -> int:
+    """Largest power of two ``<= P``."""
+    return 1 << (int(P).bit_length() - 1)
+
+
+def as_stream(sv: SparseVec):
+    """The input stream: dense directly when ``k`` items would not be smaller than dense (§4)."""
+    if sparse_is_smaller(sv.nnz, sv.numel, sv.dtype):
+        return sv
+    return sv.to_dense()
+
+
+def nnz_of(x) -> int:
+    return x.nnz if isinstance(x, SparseVec) else x.numel()
+
+
+def numel_of(x) -> int:
+    return x.numel if isinstance(x, SparseVec) else x.numel()
+
+
+def stream_bytes(m: int, d: int, value_bytes: int = 4, index_bytes: int = 4, header: int = 8) -> int:
+    """Bytes of an encoded stream of ``m`` items in dimension ``d`` (dense when not smaller)."""
+    if m * (index_bytes + value_bytes) < d * value_bytes:
+        return header + m * (index_bytes + value_bytes)
+    return header + d * value_bytes
+
+
+def exchange_stream(comm, x, partner: int, numel: int, dtype) -> object:
+    """Send payload ``x`` to ``partner`` and receive its payload (variable size, one round)."""
+    buf = comm.sendrecv(encode(x), partner, partner)
+    return decode(buf, numel, dtype)
+
+
+def send_stream(comm, x, dst: int) -> None:
+    comm.send(encode(x), dst)
+
+
+def recv_stream(comm, src: int, numel: int, dtype):
+    return decode(comm.recv(src, dtype=torch.uint8), numel, dtype)
+
+
+# ---------------------------------------------------------------------- fold / unfold
+class Fold:
+    """Where this rank stands after folding ``P`` ranks into ``P' = 2^floor(log2 P)``.
+
+    ``vrank`` is this rank's virtual rank among the survivors (None for a folded-away odd rank);
+    ``real(v)`` maps a virtual rank back to a real one.
+    """
+
+    def __init__(self, rank: int, P: int):
+        self.P = P
+        self.Pp = pow2_floor(P)
+        self.e = P - self.Pp
+        if rank < 2 * self.e:
+            self.vrank = rank // 2 if rank % 2 == 0 else None
+        else:
+            self.vrank = rank - self.e
+        self.rank = rank
+
+    def real(self, v: int) -> int:
+        return 2 * v if v < self.e else v + self.e
+
+    @property
+    def active(self) -> bool:
+        return self.vrank is not None
+
+
+def fold(comm, x, numel: int, dtype) -> tuple[Fold, object]:
+    """Pre-step for non-power-of-two ``P``: odd ranks ``< 2e`` hand their stream to ``rank - 1``."""
+    f = Fold(comm.rank, comm.world_size)
+    if f.e == 0 or comm.rank >= 2 * f.e:
+        return f, x
+    with comm.phase(_sub(comm, "fold")):
+        if comm.rank % 2 == 1:
+            send_stream(comm, x, comm.rank - 1)
+            return f, None
+        got = recv_stream(comm, comm.rank + 1, numel, dtype)
+        return f, add(x, got)
+
+
+def unfold(comm, f: Fold, result, numel: int, dtype):
+    """Post-step: even ranks ``< 2e`` send the result back to their odd partner."""
+    if f.e == 0 or comm.rank >= 2 * f.e:
+        return result
+    with comm.phase(_sub(comm, "unfold")):
+        if comm.rank % 2 == 0:
+            send_stream(comm, result, comm.rank + 1)
+            return result
+        return recv_stream(comm, comm.rank - 1, numel, dtype)
+
+
+def _sub(comm, name: str) -> str:
+    lab = comm.ledger.label
+    return f"{lab}/{name}" if lab and lab != "default" else name
+
+
+# ---------------------------------------------------------------------- splitting
+def part_bounds(numel: int, parts: int, start: int = 0) -> list[int]:
+    """``parts + 1`` boundaries of ``[start, start+numel)``: width ``floor(numel/parts)``, last takes the rest."""
+    w = numel // parts
+    b = [start + j * w for j in range(parts)]
+    b.append(start + numel)
+    return b
+
+
+def split_stream(x, bounds: list[int]) -> list:
+    """Cut a payload into the index ranges ``[bounds[j], bounds[j+1])``, each re-based to its range."""
+    out = []
+    if isinstance(x, SparseVec):
+        cuts = torch.searchsorted(x.indices, torch.tensor(bounds, dtype=torch.int64, device=x.device)).tolist()
+        for j in range(len(bounds) - 1):
+            lo, hi = cuts[j], cuts[j + 1]
+            out.append(SparseVec(x.indices[lo:hi] - bounds[j], x.values[lo:hi], bounds[j + 1] - bounds[j],
+                                 check=False))
+    else:
+        for j in range(len(bounds) - 1):
+            out.append(x[bounds[j]:bounds[j + 1]])
+    return out
+
+
+def concat(lower, upper):
+    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (§5, cases 2a-2d)."""
+    d1, d2 = numel_of(lower), numel_of(upper)
+    if (isinstance(lower, SparseVec) and isinstance(upper, SparseVec)
+            and sparse_is_smaller(lower.nnz + upper.nnz, d1 + d2, lower.dtype)):
+        return SparseVec(torch.cat([lower.indices, upper.indices + d1]),
+                         torch.cat([lower.values, upper.values]), d1 + d2, check=False)
+    return torch.cat([densify(lower), densify(upper)])
+
+
+def densify(x) -> torch.Tensor:
+    return x.to_dense() if isinstance(x, SparseVec) else x
+
+
+# ---------------------------------------------------------------------- the two phases
+def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtype):
+    """Split phase (§3.2/§6): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
+
+    Counts first (the comm's size headers, recorded as header traffic), then all payloads posted
+    at once (non-blocking); arrivals are folded into the accumulator in a fixed order
+    (``me-1, me-2, ...``) while the later ones are still in flight. Returns the summed part ``me``.
+    """
+    G = len(peers)
+    parts = split_stream(x, bounds)
+    acc = parts[me]
+    if G == 1:
+        return acc
+    order = [(me - i) % G for i in range(1, G)]            # receive from these group positions
+    send_order = [(me + i) % G for i in range(1, G)]       # staggered destinations
+    bufs = {j: encode(parts[j]) for j in send_order}
+    sends = [(peers[j], bufs[j]) for j in send_order]
+    sizes = comm.exchange_sizes(sends, [peers[j] for j in order])
+    handles = comm.post(sends, [(peers[j], sizes[peers[j]], torch.uint8) for j in order])
+    dim = bounds[me + 1] - bounds[me]
+    for h in handles:
+        acc = add(acc, decode(h.wait(), dim, dtype))
+    return acc
+
+
+def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False):
+    """Recursive-doubling all-gather by concatenation over ``len(bounds)-1`` (a power of two) parts.
+
+    This rank holds part ``pos`` (re-based payload of dimension ``bounds[pos+1]-bounds[pos]``);
+    ``rank_of(p)`` is the real rank holding part ``p``. At step ``t`` the partner holds the
+    neighbouring block of ``2^t`` parts; the lower block goes first. ``dense=True``: every block is
+    a dense tensor of known size, sent without headers (DSAR's dense all-gather).
+    Returns the payload covering ``[bounds[0], bounds[-1])``.
+    """
+    Q = len(bounds) - 1
+    buf = mine
+    t = 1
+    while t < Q:
+        ppos = pos ^ t
+        lo_me = pos & ~(t - 1)
+        lo_p = ppos & ~(t - 1)
+        partner = rank_of(ppos)
+        if dense:
+            n_p = bounds[lo_p + t] - bounds[lo_p]
+            got = comm.sendrecv(buf, partner, partner, recv_numel=n_p, recv_dtype=dtype)
+        else:
+            got = exchange_stream(comm, buf, partner, bounds[lo_p + t] - bounds[lo_p], dtype)
+        buf = concat(buf, got) if lo_me < lo_p else concat(got, buf)
+        t *= 2
+    return buf
+
+
+# ---------------------------------------------------------------------- cost model helpers
+def expected_union(k: float, N: float, P: int) -> float:
+    """``f(k, N, P) = N (1 - (1 - k/N)^P)``: expected union of ``P`` uniform ``k``-subsets (§2)."""
+    if N <= 0:
+        return 0.0
+    return N * (1.0 - (1.0 - min(1.0, k / N)) ** P)
+
+
+class CostSim:
+    """Stream sizes in the cost formulas, including the dense switch of the wire format.
+
+    A stream is modelled as ``(items, dense)``; ``add`` applies the upper-bound rule of §5 case 1a
+    (dense iff ``(m1 + m2)(c + isize) >= d*isize``), ``union`` is the resulting item count when it
+    stays sparse. It also counts the local work on this rank's critical path: ``sparse_items``
+    (items through a sparse merge, a sort-based union) and ``dense_elems`` (elements written by a
+    dense operation: densify, scatter, dense add, concatenation copies); ``auto`` prices them with
+    measured per-item costs.
+    """
+
+    def __init__(self, value_bytes=4, index_bytes=4):
+        self.v, self.c = value_bytes, index_bytes
+        self.reset()
+
+    def reset(self):
+        self.sparse_items = 0
+        self.dense_elems = 0
+
+    def work(self) -> dict:
+        return {"sparse_items": num(self.sparse_items), "dense_elems": num(self.dense_elems)}
+
+    def smaller(self, m, d) -> bool:
+        return m * (self.c + self.v) < d * self.v
+
+    def start(self, m, d):
+        return (m, False) if self.smaller(m, d) else (d, True)
+
+    def add(self, a, b, union, d):
+        (ma, da), (mb, db) = a, b
+        if da or db or not self.smaller(ma + mb, d):
+            self.dense_elems += d + (0 if da else ma) + (0 if db else mb)
+            return (d, True)
+        self.sparse_items += ma + mb
+        return (union, False)
+
+    def bytes(self, s, d) -> int:
+        m, dense = s
+        return 8 + (d * self.v if dense else m * (self.c + self.v))
+
+    def concat(self, a, b, d):
+        (ma, da), (mb, db) = a, b
+        if da or db or not self.smaller(ma + mb, d):
+            self.dense_elems += d
+            return (d, True)
+        self.dense_elems += ma + mb
+        return (ma + mb, False)
+
+    def densify(self, d):
+        self.dense_elems += d
+
+
+def log2i(P: int) -> int:
+    return int(math.log2(P)) if P >= 1 else 0
+
+
+def index_bytes_for(numel: int) -> int:
+    return torch.empty(0, dtype=index_dtype_for(numel)).element_size()
+
+
+def num(x):
+    """An int when ``x`` is integral (formulas use ``k/P`` items per part, which may be fractional)."""
+    if isinstance(x, tuple):
+        return tuple(num(v) for v in x)
+    return int(x) if float(x).is_integer() else x
+
+
+def ring_allgather_dense(comm, f: Fold, mine, bounds: list[int], pos_of_vrank, dtype, device):
+    """Dense all-gather of the ``P'`` owned pieces with the comm's (gloo ring) ``allgather``.
+
+    All ``P`` ranks take part, so the ranks folded away by :func:`fold` receive the result here
+    and need no unfold. Every rank contributes ``m = max piece size`` values (the active ranks their
+    piece ``pos_of_vrank(vrank)`` padded with zeros, the folded ranks zeros); the result is put
+    together in piece order. Ledger (ring): ``P-1`` rounds, ``(P-1)*m*isize`` bytes received.
+    """
+    sizes = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
+    m = max(sizes)
+    buf = torch.zeros(m, dtype=dtype, device=device)
+    if f.active:
+        buf[: mine.numel()] = mine
+    got = comm.allgather(buf)
+    pieces = [None] * len(sizes)
+    for v in range(f.Pp):
+        pos = pos_of_vrank(v)
+        pieces[pos] = got[f.real(v)][: sizes[pos]]
+    return torch.cat(pieces)

@@ -1,0 +1,124 @@
+"""SSAR_Split_AllGather: split into P index ranges, direct sparse sends, sparse all-gather (§3.2).
+
+Algorithm on the ``P'`` survivors of the fold (``spec/sparcml.md`` §3.2, §3.5, §6)::
+
+    parts j = [j*w, (j+1)*w), w = floor(N/P'), last part takes the remainder
+    split the local stream into P' re-based sub-streams; post all P'-1 sends at once
+    (counts first, then payloads); sum each arriving part into the owned one in a fixed order
+    while the later ones are still in flight (auto switch to dense, dimension N/P')
+    recursive-doubling all-gather of the owned part: merge = concatenation (case 2), lower first
+
+Every part is summed on exactly one rank and then copied, so all ranks are bitwise identical.
+Best for larger data: volume ``~2k`` instead of ``log2 P * k``, at the price of ``P-1`` extra latencies.
+
+Cost per rank, ``P`` a power of two, ``N`` divisible by ``P``, every rank contributing ``k`` items
+spread evenly over the parts (``k/P`` per part, the analysis assumption), in **bytes received**
+(``s(m, d) = 8 + min(m(c+isize), d*isize)``; comm size headers excluded)::
+
+    rounds = (P - 1) + log2 P
+    split:      (P-1) * s(k/P, N/P)
+    all-gather: sum_{t=0..log2P-1} s(2^t u, 2^t N/P)      u = items of one summed part
+      identical (K = k):   u = k/P  -> ~ 2(P-1)/P * k items   (thesis: 2(P-1)/P k)
+      disjoint  (K = kP):  u = k    -> ~ P k - k/P items      (thesis: P k upper bound)
+      random: between the two; expected u = f(k/P, N/P, P)
+
+with the dense switch of the code (upper-bound rule while summing, §5 1a; concatenation 2a-2d).
+"""
+
+from __future__ import annotations
+
+from ..sparse import SparseVec
+from .registry import register
+from .sparcml_common import (
+    CostSim,
+    allgather_concat,
+    as_stream,
+    direct_split_sum,
+    expected_union,
+    fold,
+    index_bytes_for,
+    log2i,
+    num,
+    part_bounds,
+    pow2_floor,
+    unfold,
+)
+
+
+def split_and_sum(comm, x, f, numel, dtype):
+    """Split phase over all ``P'`` survivors; returns (bounds, owned summed part)."""
+    bounds = part_bounds(numel, f.Pp)
+    peers = [f.real(v) for v in range(f.Pp)]
+    with comm.phase(_label(comm, "split")):
+        acc = direct_split_sum(comm, x, bounds, peers, f.vrank, dtype)
+    return bounds, acc
+
+
+def _label(comm, name):
+    lab = comm.ledger.label
+    return f"{lab}/{name}" if lab and lab != "default" else name
+
+
+@register("ssar_split_allgather")
+def ssar_split_allgather(sv: SparseVec, comm, **_):
+    x = as_stream(sv)
+    if comm.world_size == 1:
+        return x
+    f, x = fold(comm, x, sv.numel, sv.dtype)
+    if f.active:
+        bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
+        with comm.phase(_label(comm, "allgather")):
+            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype)
+    return unfold(comm, f, x, sv.numel, sv.dtype)
+
+
+def split_phase_cost(sim, P, n, k, union):
+    """Bytes of the split phase and the state (items, dense) of the summed part."""
+    d = n // P
+    kp = k / P
+    s0 = sim.start(kp, d)
+    recv = (P - 1) * sim.bytes(s0, d)
+    acc = s0
+    for j in range(1, P):
+        acc = sim.add(acc, s0, union(j + 1), d)
+    return recv, acc
+
+
+def split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random"):
+    """See the module docstring. ``pattern``: identical | disjoint | random (-> (low, high)) | expected.
+
+    ``compute``: local work on the critical path (for ``random`` that of the disjoint bound).
+    """
+    if index_bytes is None:
+        index_bytes = index_bytes_for(n)
+    Pp = pow2_floor(P)
+    L = log2i(Pp)
+    extra = 2 if Pp != P else 0
+    sim = CostSim(value_bytes, index_bytes)
+    d = n // Pp
+    kp = k / Pp
+
+    def run(union):
+        sim.reset()
+        recv, part = split_phase_cost(sim, Pp, n, k, union)
+        blk, dim = part, d
+        for _ in range(L):
+            recv += sim.bytes(blk, dim)
+            blk = sim.concat(blk, blk, 2 * dim)
+            dim *= 2
+        return recv, sim.work()
+
+    ident, w_ident = run(lambda j: kp)
+    disj, w_disj = run(lambda j: min(d, j * kp))
+    if pattern == "identical":
+        b, w = ident, w_ident
+    elif pattern == "disjoint":
+        b, w = disj, w_disj
+    elif pattern == "expected":
+        b, w = run(lambda j: round(expected_union(kp, d, j)))
+    else:
+        b, w = (min(ident, disj), max(ident, disj)), w_disj
+    return {"rounds": (Pp - 1) + L + extra if Pp > 1 else 0, "bytes_received": num(b), "compute": w}
+
+
+register("ssar_split_allgather", cost=split_allgather_cost)(ssar_split_allgather)
