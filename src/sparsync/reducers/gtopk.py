@@ -1,0 +1,94 @@
+"""``gtopk``: gTop-k all-reduce (Shi et al.; SparDL's baseline, ``spec/spardl.md`` §10).
+
+Power-of-two ``P`` only (a clear ``ValueError`` otherwise). Per step: exact local top-``k`` of
+``acc = grad + residual``; a binomial-tree reduction in ``log2 P`` rounds — at round ``i`` rank
+``r`` with ``r mod 2^(i+1) = 2^i`` sends its ``k`` pairs to ``r - 2^i``, which sums (lower rank first)
+and re-selects the top-``k`` (ties -> smaller index); then rank 0 broadcasts the final ``k`` pairs
+(binomial tree, ``ceil(log2 P)`` rounds). Every message has exactly ``k`` pairs (zero-value padding),
+so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units (Table I); per rank the
+ledger shows at most that (rank 0 receives ``log2 P * k`` pairs in the reduction).
+
+Residuals: ``residuals="partial"`` (default, the gTop-k paper's rule): local residual plus the locally
+selected values whose index is not in the global top-k set (end-procedure); values dropped at a merge
+at an index that survives elsewhere are lost, so it is not conserving. ``residuals="global"``: the
+merging rank keeps what it drops (SparDL-style in-procedure store) -> conserving.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..spardl.blocksel import topk_det
+from ..spardl.teams import coalesce, pad_to
+from ..spardl.wire import pack, pair_bytes, unpack
+from .base import Reducer
+from .registry import register
+from .topkdsa import select_topk
+
+
+@register("gtopk")
+class GTopkReducer(Reducer):
+    def __init__(self, comm, density=0.01, residuals="partial", **rest):
+        super().__init__(comm, density=density, **rest)
+        P = comm.world_size
+        if P & (P - 1):
+            raise ValueError(f"gtopk needs a power-of-two world size, got P={P} (use spardl or oktopk)")
+        if residuals not in ("partial", "global"):
+            raise ValueError(f"gtopk residuals must be 'partial' or 'global', got {residuals!r}")
+        self.residuals = residuals
+        self._scratch: dict = {}
+        self.conserving = residuals == "global"
+
+    def _reduce(self, grad):
+        comm = self.comm
+        P, w, k = comm.world_size, comm.rank, self.k
+        pb = pair_bytes(grad.dtype)
+        with self.timed("select"):
+            acc = self.accumulate(grad)
+            idx = select_topk(acc, k, self._scratch)
+            vals = acc[idx]
+            own_idx, own_vals = idx, vals
+            acc[idx] = 0  # acc is now the local residual
+        self.stats["selected"] = k
+        drops = []
+        with comm.phase("gtopk:reduce"):
+            i = 0
+            while (1 << i) < P:
+                step = 1 << i
+                if w % (2 * step) == step:
+                    with self.timed("comm"):
+                        comm.send(pack(idx, vals), w - step, fixed=True)
+                    break
+                if w % (2 * step) == 0:
+                    with self.timed("comm"):
+                        got = comm.recv(w + step, numel=k * pb, dtype=torch.uint8)
+                    with self.timed("select"):
+                        pi, pv = unpack(got, 1, k, grad.dtype)
+                        si, sv = coalesce(torch.cat([idx, pi[0]]), torch.cat([vals, pv[0]]))
+                        ki, kv, di, dv = topk_det(si, sv, k)
+                        drops.append((di, dv))
+                        idx, vals = pad_to(ki, kv, k)
+                i += 1
+        with comm.phase("gtopk:broadcast"), self.timed("comm"):
+            buf = pack(idx, vals) if w == 0 else torch.empty(k * pb, dtype=torch.uint8, device=grad.device)
+            buf = comm.broadcast(buf, 0) if P > 1 else buf
+        with self.timed("select"):
+            fi, fv = unpack(buf, 1, k, grad.dtype)
+            out = torch.zeros(self.numel, dtype=grad.dtype, device=grad.device)
+            out.index_add_(0, fi[0], fv[0])
+            if self.residuals == "partial":
+                # own selected values that did not make it into the global set go back
+                back = ~torch.isin(own_idx, fi[0])
+                acc[own_idx[back]] += own_vals[back]
+            else:
+                for di, dv in drops:  # what this rank dropped at its merges (unique per merge)
+                    acc.index_add_(0, di, dv)
+            self.residual = acc
+        return out
+
+    @classmethod
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
+        """Table I (critical path): ``2 log2 P`` rounds, ``4 log2 P k`` units (a pair = 2 units)."""
+        lg = (P - 1).bit_length()
+        u = (index_bytes + value_bytes) / 2
+        return {"rounds": 2 * lg, "bytes_received": 4 * lg * k * u}

@@ -1,0 +1,65 @@
+"""The working buffer of one SparDL step and the three residual schemes (``spec/spardl.md`` §8).
+
+One dense buffer ``X`` (length ``q*bs``, viewed as ``[q, bs]`` blocks) starts as ``A = grad + residual``
+and is turned *in place* into the paper's in-procedure store ``R_w``: a block's selected positions are
+zeroed when it is sent (``R[b] = X[b]`` minus the sent part, Alg. 1 line 7), received entries are added
+into held blocks, R-SAG/B-SAG discards are added with their shares. Instead of keeping a second dense
+copy ``Gcopy = A`` (one more pass over ``n``), every in-place modification first saves the old values at
+the touched positions (sparse, O(k) per step); undoing them in reverse order restores ``A`` exactly
+where needed:
+
+* ``global`` (GRES): ``xi = R`` on the final index set ``I``, ``A`` elsewhere — restore touched
+  positions outside ``I``. Conserving: ``sum_w (G_w + xi_old) == g_sum + sum_w xi_new``.
+* ``partial`` (PRES, local + end-procedure): ``xi = A`` everywhere except own-selected positions in ``I``
+  (those are zero). In-procedure residuals (others' values discarded here at surviving indices) are lost.
+* ``local`` (LRES, DGC-style): ``xi = A`` with every position this worker selected zeroed; in-procedure
+  and end-procedure residuals are lost.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["RESIDUAL_MODES", "WorkBuffer"]
+
+RESIDUAL_MODES = ("global", "partial", "local")
+
+
+class WorkBuffer:
+    def __init__(self, A: torch.Tensor, q: int, bs: int):
+        self.flat = A  # padded to q*bs, owned
+        self.blocks = A.view(q, bs)
+        self.bs = bs
+        self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._own: list[torch.Tensor] = []
+
+    def zero_selected(self, rows: torch.Tensor, first_block: int, sel: torch.Tensor, own: bool = True):
+        """Zero ``sel`` (``[m, c]`` column indices) in rows ``first_block..`` (a view of ``blocks``)."""
+        pos = (sel + (torch.arange(rows.shape[0], device=sel.device) + first_block)[:, None] * self.bs).view(-1)
+        self._saved.append((pos, self.flat[pos]))
+        rows.scatter_(1, sel, 0)
+        if own:
+            self._own.append(pos)
+
+    def add(self, pos: torch.Tensor, vals: torch.Tensor):
+        """``X[pos] += vals`` (``pos`` unique)."""
+        if pos.numel() == 0:
+            return
+        self._saved.append((pos, self.flat[pos]))
+        self.flat.index_add_(0, pos, vals.to(self.flat.dtype))
+
+    def finish(self, mode: str, final_pos: torch.Tensor) -> torch.Tensor:
+        """The new residual (padded length) for ``mode``; ``final_pos`` = flat positions of ``I``."""
+        X = self.flat
+        if mode == "global":
+            for pos, old in reversed(self._saved):
+                out = ~torch.isin(pos, final_pos)
+                X[pos[out]] = old[out]
+            return X
+        for pos, old in reversed(self._saved):
+            X[pos] = old
+        own = torch.cat(self._own) if self._own else final_pos[:0]
+        if mode == "partial":
+            own = own[torch.isin(own, final_pos)]
+        X[own] = 0
+        return X

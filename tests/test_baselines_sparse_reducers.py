@@ -1,0 +1,112 @@
+"""Baselines topkdsa, gtopk, oktopk (and topka): consistency, conservation, Table I bounds, bad input."""
+
+import math
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.reducers.gtopk import GTopkReducer
+from sparsync.reducers.oktopk import OkTopkReducer
+from sparsync.reducers.topkdsa import TopkDSAReducer
+from test_spardl_reducer import _run_configs
+
+
+def _configs(P):
+    cfg = [("topkdsa", {}), ("oktopk", {"recompute_every": 2, "balance_every": 3}), ("topka", {})]
+    if P & (P - 1) == 0:
+        cfg += [("gtopk", {}), ("gtopk", {"residuals": "global"})]
+    return cfg
+
+
+@pytest.mark.parametrize("P", list(range(1, 17)))
+def test_baselines_consistency_thread(P):
+    cfg = _configs(P)
+    res = ss.run_local(_run_configs, P, cfg, 403, 4, density=0.03)
+    for c, (name, opts) in enumerate(cfg):
+        for s in range(4):
+            assert all(torch.equal(res[w][c][0][s], res[0][c][0][s]) for w in range(P)), (name, opts, s)
+        if res[0][c][4]:  # conserving reducers: identity every step
+            assert max(res[0][c][1]) < 1e-12, (name, opts, res[0][c][1])
+
+
+def test_gtopk_partial_residual_is_not_conserving():
+    res = ss.run_local(_run_configs, 8, [("gtopk", {})], 2000, 3, density=0.02)
+    assert res[0][0][4] is False and max(res[0][0][1]) > 1e-3
+
+
+def _ledger(comm, name, n, density, phases=None, **opts):
+    r = ss.make_reducer(name, comm, density=density, **opts)
+    g = torch.Generator().manual_seed(comm.rank)
+    comm.ledger.reset()
+    r.reduce(torch.randn(n, generator=g))
+    if phases:
+        got = [comm.ledger.phases[p] for p in phases if p in comm.ledger.phases]
+        return sum(c.rounds for c in got), sum(c.bytes_received for c in got), r.k
+    return r.stats["rounds"], r.stats["bytes_received"], r.k
+
+
+def _within(x, bound, slack=0):
+    if isinstance(bound, tuple):
+        return bound[0] - 1e-9 <= x <= bound[1] + slack
+    return x <= bound + slack
+
+
+@pytest.mark.parametrize("P", list(range(2, 17)))
+def test_table1_bounds(P):
+    n, density = 100_000, 0.01
+    k = 1000
+    # TopkDSA: direct-send reduce-scatter + growing Bruck all-gather (+ 8-byte stream counts)
+    pred = TopkDSAReducer.predicted_cost(P, n, k)
+    for rounds, nbytes, _ in ss.run_local(_ledger, P, "topkdsa", n, density):
+        assert rounds == pred["rounds"] <= P + 2 * math.log2(P)
+        assert _within(nbytes, pred["bytes_received"], slack=16 * (P - 1)), (nbytes, pred)
+    # Ok-Topk: the two data phases of a step (threshold/balancing phases are periodic extras)
+    pred = OkTopkReducer.predicted_cost(P, n, k)
+    for rounds, nbytes, _ in ss.run_local(_ledger, P, "oktopk", n, density,
+                                          phases=["oktopk:reduce-scatter", "oktopk:allgather"]):
+        assert rounds == 2 * (P - 1) <= pred["rounds"]
+        assert _within(nbytes, pred["bytes_received"]), (nbytes, pred)
+    # TopkA (foundation): 2(P-1)k units + one 8-byte stream count per gathered item
+    for _rounds, nbytes, _ in ss.run_local(_ledger, P, "topka", n, density):
+        assert nbytes == (P - 1) * (8 + 8 * k) and (nbytes - 8 * (P - 1)) / 4 == 2 * (P - 1) * k
+    if P & (P - 1) == 0:
+        pred = GTopkReducer.predicted_cost(P, n, k)
+        res = ss.run_local(_ledger, P, "gtopk", n, density)
+        for rounds, nbytes, _ in res:
+            assert rounds <= pred["rounds"] == 2 * math.log2(P)
+            assert nbytes <= pred["bytes_received"] == 4 * math.log2(P) * k * 4
+        assert res[0][1] == math.log2(P) * k * 8  # the root receives log2 P lists of k pairs
+
+
+def _make(comm, name, **opts):
+    ss.make_reducer(name, comm, density=0.01, **opts)
+
+
+@pytest.mark.parametrize("P", [3, 5, 6, 12])
+def test_gtopk_needs_power_of_two(P):
+    with pytest.raises(ValueError, match="power-of-two"):
+        ss.run_local(_make, P, "gtopk", timeout=30)
+
+
+def test_bad_options_baselines():
+    with pytest.raises(ValueError):
+        ss.run_local(_make, 4, "gtopk", residuals="local")
+    with pytest.raises(ValueError):
+        ss.run_local(_make, 4, "oktopk", recompute_every=0)
+    with pytest.raises(TypeError):
+        ss.run_local(_make, 4, "topkdsa", teams=2)
+
+
+def _tiny(comm, name):
+    r = ss.make_reducer(name, comm, density=1e-6)
+    g = torch.Generator().manual_seed(comm.rank)
+    outs = [r.reduce(torch.randn(50, generator=g)) for _ in range(3)]
+    return r.k, outs
+
+
+@pytest.mark.parametrize("name", ["topkdsa", "oktopk", "gtopk", "spardl"])
+def test_tiny_density_and_tiny_vectors(name):
+    res = ss.run_local(_tiny, 8, name, timeout=30)  # n = 50 < ranges/blocks of 64 bins; k = 1
+    assert all(k == 1 for k, _ in res)
+    assert all(torch.equal(o, res[0][1][s]) for _, outs in res for s, o in enumerate(outs))
