@@ -1,0 +1,144 @@
+"""``sparsync compare``: several configurations of one workload, side by side, one report.
+
+``--configs "dense;ddp;ddp-fp16;micro:0.01;spardl:0.01,merge=wfbp,option=value"`` — configurations
+separated by ``;``; each is ``NAME[:DENSITY][,key=value...]`` where ``NAME`` is a registered reducer
+or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=`` sets the merge
+plan and any other key is a reducer option. The configurations run one after the other on the same
+network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
+report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) goes to ``<runs-dir>/<name>/``.
+Baselines dense SparseDDP, torch DDP and torch DDP + fp16 hook are added unless
+``--no-baselines``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .train import _parse_value, add_common, config_from_args
+
+BASELINES = ("dense", "ddp", "ddp-fp16")
+
+
+def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
+    """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``."""
+    out = []
+    for item in spec.split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        head, *kvs = item.split(",")
+        name, _, dens = head.partition(":")
+        d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}}
+        if dens:
+            try:
+                d["density"] = float(dens)
+            except ValueError:
+                raise ValueError(f"config {item!r}: density {dens!r} is not a number") from None
+        for kv in kvs:
+            if "=" not in kv:
+                raise ValueError(f"config {item!r}: {kv!r} should be key=value")
+            k, v = kv.split("=", 1)
+            if k.strip() == "merge":
+                d["merge"] = v.strip()
+            else:
+                d["options"][k.strip()] = _parse_value(v.strip())
+        out.append(d)
+    if not out:
+        raise ValueError("--configs is empty")
+    return out
+
+
+def config_slug(c: dict) -> str:
+    r = c["reducer"]
+    s = r if r in BASELINES else f"{r}-{c['density']:g}"
+    s += "-" + c["merge"].replace(":", "")
+    for k, v in sorted(c["options"].items()):
+        s += f"-{k}{v}"
+    return s
+
+
+def register(sub) -> None:
+    p = sub.add_parser("compare", help="run several configurations and write a report",
+                       description="Run several configurations of one workload one after the other on the "
+                                   "same network and write report.md + plots.")
+    add_common(p, compare=True)
+    p.add_argument("--configs", default="dense;ddp;ddp-fp16;topka:0.01",
+                   help='";"-separated NAME[:DENSITY][,merge=PLAN][,key=value] (default %(default)s)')
+    p.add_argument("--density", type=float, default=0.01, help="density for configs that give none")
+    p.add_argument("--merge", default="single", help="merge plan for configs that give none")
+    p.add_argument("--no-baselines", action="store_true", help="do not add dense, ddp and ddp-fp16")
+    p.add_argument("--name", default=None, help="comparison name (directory <runs-dir>/<name>)")
+    p.add_argument("--checkpoints", action="store_true", help="keep each configuration's final checkpoint")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..train.loop import NetworkUnavailable
+    from ..train.runs import CheckpointError, RunExists
+
+    try:
+        compare(args)
+    except (ValueError, CheckpointError, RunExists, NetworkUnavailable) as e:
+        print(f"sparsync compare: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def compare(args, notes: list[str] | None = None, title: str | None = None):
+    """Run every configuration; returns (report path, table rows)."""
+    import shutil
+
+    from ..train.loop import check_network, launch, validate
+    from ..train.report import format_table, table_rows, write_report
+    from ..train.runs import RunExists
+
+    configs = parse_configs(args.configs, args.density, args.merge)
+    if not args.no_baselines:
+        have = {c["reducer"] for c in configs}
+        configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}}
+                   for b in BASELINES if b not in have] + configs
+    name = args.name or f"compare-{args.workload}-P{args.workers}"
+    root = Path(args.runs_dir) / name
+    cfgs, seen = [], set()
+    for c in configs:
+        slug = config_slug(c)
+        while slug in seen:
+            slug += "+"
+        seen.add(slug)
+        cfg = config_from_args(args, reducer=c["reducer"], density=c["density"], merge=c["merge"],
+                               options=c["options"], name=slug)
+        cfg.runs_dir = str(root)
+        cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
+        validate(cfg)  # every name checked before anything runs
+        cfgs.append(cfg)
+    check_network(cfgs[0].network)
+    if root.exists() and any(root.iterdir()):
+        if not args.force:
+            raise RunExists(f"comparison directory {root} already exists; pass --force to overwrite it "
+                            "or --name to pick another name")
+        shutil.rmtree(root)
+    root.mkdir(parents=True, exist_ok=True)
+    done = []
+    for i, cfg in enumerate(cfgs):
+        print(f"[{i + 1}/{len(cfgs)}] {cfg.label()} on {cfg.workers} workers ({cfg.network})", flush=True)
+        try:
+            launch(cfg, force=True)
+            done.append(root / cfg.name)
+        except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
+            print(f"  {cfg.label()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
+            (notes := notes if notes is not None else []).append(
+                f"configuration `{cfg.label()}` failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    if not done:
+        raise RuntimeError("every configuration failed")
+    title = title or f"{args.workload}: {len(done)} configurations, {cfgs[0].workers} workers, {cfgs[0].network}"
+    report = write_report(root, done, title, notes)
+    import json
+
+    summaries = [json.loads((d / "summary.json").read_text()) for d in done]
+    rows = table_rows(summaries)
+    print()
+    print(format_table(rows, markdown=False))
+    print(f"\nreport: {os.path.relpath(report)}")
+    return report, rows

@@ -1,0 +1,177 @@
+"""``sparsync train``: one training configuration on local workers, the emulated cluster, or torchrun.
+
+See ``docs/train.md``. Examples::
+
+    sparsync train --workload digits-mlp --reducer micro --density 0.01 --merge single --workers 4
+    sparsync train --workload digits-mlp --reducer dense --bandwidth 1gbit          # root only
+    sparsync train --workload lm --reducer s2 --workload-option sparse_embedding=1
+    torchrun --nnodes 2 --nproc-per-node 1 ... -m sparsync.cli train --workload digits-mlp ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def parse_kv(items: list[str] | None, what: str) -> dict:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (numbers and true/false parsed)."""
+    out = {}
+    for it in items or []:
+        for part in it.split(","):
+            if not part:
+                continue
+            if "=" not in part:
+                raise ValueError(f"{what} must look like key=value, got {part!r}")
+            k, v = part.split("=", 1)
+            out[k.strip()] = _parse_value(v.strip())
+    return out
+
+
+def _parse_value(v: str):
+    low = v.lower()
+    if low in ("true", "yes"):
+        return True
+    if low in ("false", "no"):
+        return False
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+def add_common(p, compare: bool = False) -> None:
+    """Arguments shared by ``train`` and ``compare``."""
+    p.add_argument("--workload", default="digits-mlp", help="digits-mlp | digits-cnn | lm | linear")
+    p.add_argument("--workers", type=int, default=4, help="number of data-parallel ranks (default 4)")
+    net = p.add_mutually_exclusive_group()
+    net.add_argument("--bandwidth", default=None, metavar="RATE",
+                     help="run on the emulated cluster with this per-host link rate, e.g. 1gbit (root only)")
+    net.add_argument("--loopback", action="store_true", help="forked gloo workers over loopback (default)")
+    net.add_argument("--thread", action="store_true", help=argparse_hidden())
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--steps", type=int, default=None, help="training steps (default: the workload's)")
+    steps.add_argument("--epochs", type=float, default=None, help="training epochs instead of --steps")
+    p.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None)
+    p.add_argument("--target-accuracy", type=float, default=None, help="for time-to-target (default: the workload's)")
+    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workload-option", action="append", metavar="KEY=VALUE",
+                   help="workload option, e.g. sparse_embedding=1 or vocab=5000 (repeatable)")
+    p.add_argument("--ddp-option", action="append", metavar="KEY=VALUE",
+                   help="extra SparseDDP keyword, e.g. nonfinite=ignore (skips the per-step NaN flag exchange)")
+    p.add_argument("--runs-dir", default="runs", help="parent directory of run directories (default runs/)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck run is killed")
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+def network_of(args) -> str:
+    if getattr(args, "thread", False):
+        return "thread"
+    if args.bandwidth:
+        return args.bandwidth
+    return "loopback"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train one configuration (writes runs/<name>/)",
+                       description="Train one configuration of a workload with a gradient reducer.")
+    add_common(p)
+    p.add_argument("--reducer", default="dense",
+                   help="a registered reducer (sparsync list names them) or ddp / ddp-fp16 (torch's DDP)")
+    p.add_argument("--density", type=float, default=0.01, help="fraction of gradient entries sent (default 0.01)")
+    p.add_argument("--merge", default="single", help="single | wfbp | buckets:25 | mgwfbp | optimal")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="reducer option (repeatable)")
+    p.add_argument("--name", default=None, help="run name (directory runs/<name>)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args, reducer=None, density=None, merge=None, options=None, name=None):
+    from ..train.runs import TrainConfig
+
+    return TrainConfig(
+        workload=args.workload, reducer=reducer or args.reducer,
+        density=float(density if density is not None else args.density),
+        merge=merge or args.merge,
+        reducer_options=options if options is not None else parse_kv(args.option, "--option"),
+        workload_options=parse_kv(args.workload_option, "--workload-option"),
+        ddp_options=parse_kv(getattr(args, "ddp_option", None), "--ddp-option"), workers=args.workers,
+        steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
+        target_accuracy=args.target_accuracy, eval_every=args.eval_every, seed=args.seed,
+        name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
+        checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),
+        progress=not args.no_progress, timeout=args.timeout)
+
+
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run(args) -> int:
+    from ..train.loop import NetworkUnavailable, launch, validate
+    from ..train.runs import CheckpointError, RunExists
+
+    try:
+        cfg = config_from_args(args)
+        if under_torchrun():
+            return _run_torchrun(cfg, args)
+        validate(cfg)
+        summary = launch(cfg, force=args.force, resume=args.resume)
+    except (ValueError, CheckpointError, RunExists, NetworkUnavailable) as e:
+        print(f"sparsync train: error: {e}", file=sys.stderr)
+        return 2
+    _print_summary(summary, cfg)
+    return 0
+
+
+def _print_summary(s: dict, cfg) -> None:
+    tt = s.get("time_to_target_s")
+    print(f"{s['label']}: final accuracy {s['final_accuracy']:.4f}, "
+          f"time to {s['target_accuracy']:.3f}: {'not reached' if tt is None else f'{tt:.2f} s'}, "
+          f"train time {s['train_time_s']:.2f} s, median step {1e3 * (s['median_step_s'] or 0):.1f} ms")
+    print(f"run directory: {os.path.join(cfg.runs_dir, cfg.name)}")
+
+
+def _run_torchrun(cfg, args) -> int:
+    """One process of a torchrun job: rank 0 prepares the run directory, every rank trains."""
+    import torch.distributed as dist
+
+    from ..launch import comm_from_env
+    from ..train.loop import train_worker, validate
+    from ..train.runs import RunDir
+
+    validate(cfg)
+    comm = comm_from_env("gloo")  # CPU training loop; the library's SparseDDP also runs on NCCL
+    if comm.world_size != cfg.workers:
+        cfg.workers = comm.world_size  # torchrun decides the world size
+    cfg.network = "torchrun"
+    info = [None]
+    if comm.rank == 0:
+        _, resume_info = RunDir.prepare(cfg, force=args.force, resume=args.resume)
+        info = [json.dumps(resume_info)]
+    dist.broadcast_object_list(info, src=0)
+    resume_info = json.loads(info[0])
+    path = os.path.join(cfg.runs_dir, cfg.name)
+    summary = train_worker(comm, cfg.to_dict(), path, resume_info)
+    if comm.rank == 0:
+        RunDir(path).write_summary(summary)
+        _print_summary(summary, cfg)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0

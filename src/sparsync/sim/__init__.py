@@ -1,0 +1,1 @@
+"""Simulators: alpha-beta collectives (formulas + executed thread simulation) and MG-WFBP schedules."""

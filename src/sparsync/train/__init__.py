@@ -1,0 +1,1 @@
+"""Training: workloads, loop, run directories and reports (``sparsync train`` / ``compare``)."""

@@ -1,0 +1,323 @@
+"""The training loop every rank runs, and the launcher that starts the ranks.
+
+``launch(cfg)`` validates the configuration (workload, reducer, network), prepares the run
+directory (:mod:`sparsync.train.runs`), then starts ``cfg.workers`` ranks:
+
+* ``network="loopback"``: forked gloo processes on this machine (``run_local(..., backend="gloo")``);
+* ``network="1gbit"`` (any ``tc`` rate such as ``100mbit``): one network namespace per rank with a
+  rate-limited veth (:func:`sparsync.cluster.run_emulated`; needs root);
+* ``network="thread"``: in-process ranks on a :class:`~sparsync.threadcomm.ThreadComm` (tests; no
+  torch DDP there);
+* under ``torchrun`` the CLI calls :func:`train_worker` directly in every process
+  (:func:`sparsync.launch.comm_from_env`, env:// rendezvous).
+
+Each rank: seeds torch, builds the workload and the model (identical initial parameters on every
+rank), wraps it in :class:`sparsync.ddp.SparseDDP` (``reducer`` any registered reducer) or in
+torch's own ``DistributedDataParallel`` (``reducer="ddp"``; ``"ddp-fp16"`` adds torch's
+``fp16_compress_hook``), and runs ``cfg.steps`` steps of forward / backward / optimizer on its shard
+of a deterministic global batch (:meth:`Workload.batch_indices`). Rank 0 appends one JSON line per
+step to ``metrics.jsonl``: loss, wall time split (forward, backward, optimizer; and from the engine
+select / comm / wait / backward-compute), bytes sent and received, achieved density; every
+``eval_every`` steps the held-out accuracy (evaluation time is excluded from the wall-clock).
+
+Resume: every rank saves model, optimizer, engine (reducer residuals etc.) and the loop's counters;
+since data depend only on (seed, step), a resumed run reproduces the uninterrupted one's losses
+bitwise (tested in ``tests/test_train_resume.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .runs import RunDir, TrainConfig, load_checkpoint, save_checkpoint
+from .workloads import make_workload, workload_names
+
+__all__ = ["TORCH_DDP", "NetworkUnavailable", "launch", "train_worker", "valid_reducers", "validate"]
+
+TORCH_DDP = ("ddp", "ddp-fp16")
+_INIT_LOCK = threading.Lock()
+OPTIMIZERS = ("sgd", "momentum", "adam")
+
+
+class NetworkUnavailable(RuntimeError):
+    """The emulated network cannot be used here (not root, or sparsync.cluster missing)."""
+
+
+def valid_reducers() -> list[str]:
+    from ..reducers.registry import load_all
+
+    return sorted(load_all()) + list(TORCH_DDP)
+
+
+def validate(cfg: TrainConfig):
+    """Check names and numbers before any process starts; returns the built workload."""
+    if cfg.workload not in workload_names():
+        raise ValueError(f"unknown workload {cfg.workload!r}; valid: {', '.join(workload_names())}")
+    reducers = valid_reducers()
+    if cfg.reducer not in reducers:
+        raise ValueError(f"unknown reducer {cfg.reducer!r}; valid: {', '.join(reducers)}")
+    if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+    if not isinstance(cfg.workers, int) or cfg.workers < 1:
+        raise ValueError(f"--workers must be a positive integer, got {cfg.workers!r}")
+    if not (0 < float(cfg.density) <= 1):
+        raise ValueError(f"--density must be in (0, 1], got {cfg.density}")
+    if cfg.is_torch_ddp and cfg.network == "thread":
+        raise ValueError("torch DDP baselines need real processes; use --loopback or --bandwidth")
+    wl = make_workload(cfg.workload, **cfg.workload_options)
+    cfg.fill_defaults(wl)
+    if cfg.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+    return wl
+
+
+def check_network(network: str) -> None:
+    """Raise NetworkUnavailable with instructions when the emulated network cannot run here."""
+    if network in ("loopback", "thread"):
+        return
+    if os.geteuid() != 0:
+        raise NetworkUnavailable(
+            f"--bandwidth {network} emulates the network with Linux network namespaces and tc, which needs "
+            "root. Run it as root (e.g. `sudo .venv/bin/sparsync train ... --bandwidth "
+            f"{network}`), or use --loopback to run the workers over this machine's loopback "
+            "interface (fast, so sparse methods show little gain), or torchrun on a real cluster "
+            "(see docs/train.md).")
+    try:
+        from .. import cluster  # noqa: F401
+    except ImportError as e:
+        raise NetworkUnavailable(f"--bandwidth needs sparsync.cluster, which is not available ({e}); "
+                                 "use --loopback") from None
+
+
+def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload=None) -> dict:
+    """Validate, prepare ``runs/<name>``, run every rank; returns the summary (also in summary.json)."""
+    if workload is None:
+        validate(cfg)
+    check_network(cfg.network)
+    rd, info = RunDir.prepare(cfg, force=force, resume=resume)
+    args = (cfg.to_dict(), str(rd.path), info)
+    P = cfg.workers
+    if cfg.network == "thread":
+        from ..launch import run_local
+
+        results = run_local(train_worker, P, *args, backend="thread", timeout=cfg.timeout)
+    elif cfg.network == "loopback":
+        from ..launch import run_local
+
+        results = run_local(train_worker, P, *args, backend="gloo", timeout=cfg.timeout)
+    else:
+        from ..cluster import run_emulated
+
+        results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, timeout=cfg.timeout)
+    summary = results[0]
+    keys = ("median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
+            "mean_select_s")
+    summary["per_rank"] = [{k: r.get(k) for k in keys} for r in results]  # rank 0's view is not everyone's
+    rd.write_summary(summary)
+    return summary
+
+
+# ---------------------------------------------------------------------------- one rank
+def _make_optimizer(cfg: TrainConfig, model: nn.Module):
+    params = list(model.parameters())
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr)
+    if cfg.optimizer == "momentum":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    return torch.optim.Adam(params, lr=cfg.lr)
+
+
+def _wrap(cfg: TrainConfig, model: nn.Module, comm):
+    """(callable model, engine or None). Engine = SparseDDP or torch DDP."""
+    if cfg.is_torch_ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp = DDP(model, process_group=getattr(comm, "group", None))
+        if cfg.reducer == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+            ddp.register_comm_hook(getattr(comm, "group", None), fp16_compress_hook)
+        return ddp, ddp
+    from ..ddp import SparseDDP
+
+    ddp = SparseDDP(model, comm, reducer=cfg.reducer, density=cfg.density, merge=cfg.merge,
+                    reducer_options=dict(cfg.reducer_options), **dict(cfg.ddp_options))
+    fwd = ddp if callable(ddp) else model
+    return fwd, ddp
+
+
+def _ddp_bytes(cfg: TrainConfig, numel: int) -> int:
+    """Ring all-reduce bytes per rank for torch DDP (gloo ring): 2(P-1)/P * n * value bytes."""
+    P = cfg.workers
+    vb = 2 if cfg.reducer == "ddp-fp16" else 4
+    return int(2 * (P - 1) * numel * vb // P) if P > 1 else 0
+
+
+def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict | None,
+                 record_losses: bool = True) -> dict:
+    """Run one rank of a training run; rank 0 writes metrics. Returns a summary dict (with the
+    per-step losses and eval accuracies when ``record_losses``, used by the resume tests)."""
+    cfg = TrainConfig.from_dict(cfg_dict)
+    rank, P = comm.rank, comm.world_size
+    if P != cfg.workers:
+        raise ValueError(f"config asks for {cfg.workers} workers but the group has {P}")
+    wl = make_workload(cfg.workload, **cfg.workload_options)
+    cfg.fill_defaults(wl)
+    with _INIT_LOCK:  # thread ranks share torch's global RNG: same initial parameters on every rank
+        torch.manual_seed(cfg.seed)
+        model = wl.build()
+    numel = sum(p.numel() for p in model.parameters())
+    fwd, ddp = _wrap(cfg, model, comm)
+    opt = _make_optimizer(cfg, model)
+    rd = RunDir(run_path) if run_path else None
+
+    start, train_time, evals, time_to_target = 0, 0.0, [], None
+    if resume_info:
+        blob = load_checkpoint(Path(resume_info["dir"]) / f"rank{rank}.pt", cfg, rank)
+        model.load_state_dict(blob["model"])
+        opt.load_state_dict(blob["optimizer"])
+        if blob.get("engine") is not None and hasattr(ddp, "load_state_dict") and not cfg.is_torch_ddp:
+            ddp.load_state_dict(blob["engine"])
+        start = int(blob["step"])
+        train_time = float(blob["loop"]["train_time"])
+        evals = list(blob["loop"]["evals"])
+        time_to_target = blob["loop"]["time_to_target"]
+
+    def checkpoint(step):
+        if rd is None:
+            return
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                 "engine": ddp.state_dict() if (not cfg.is_torch_ddp and hasattr(ddp, "state_dict")) else None,
+                 "loop": {"train_time": train_time, "evals": evals, "time_to_target": time_to_target}}
+        save_checkpoint(rd.ckpt_dir(step) / f"rank{rank}.pt", cfg, rank, step, state)
+        comm.barrier()
+        if rank == 0:
+            rd.mark_latest(step)
+
+    metrics_f = open(rd.path / "metrics.jsonl", "a") if (rd is not None and rank == 0) else None  # noqa: SIM115
+    bar = None
+    if cfg.progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, desc=cfg.label(), unit="step", leave=True, dynamic_ncols=True)
+    losses, rows = [], []
+    comm.barrier()
+    last_acc = evals[-1]["accuracy"] if evals else None
+    try:
+        for step in range(start, cfg.steps):
+            x, y = wl.batch(step, rank, P, cfg.batch_size, cfg.seed)
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            out = fwd(x)
+            loss = wl.loss_fn(out, y)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            opt.step()
+            t3 = time.perf_counter()
+            step_s = t3 - t0
+            train_time += step_s
+            lv = float(loss.detach())
+            if not math.isfinite(lv):
+                raise FloatingPointError(f"loss became {lv} at step {step}; lower --lr or check the reducer")
+            rec = {"step": step, "loss": lv, "time_s": train_time, "step_s": step_s, "forward_s": t1 - t0,
+                   "backward_s": t2 - t1, "optimizer_s": t3 - t2}
+            if cfg.is_torch_ddp:
+                rec.update(bytes_sent=_ddp_bytes(cfg, numel), bytes_received=_ddp_bytes(cfg, numel),
+                           density=1.0, selected=numel, numel=numel, compute_s=None)
+            else:
+                st = dict(getattr(ddp, "last_stats", {}) or {})
+                for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
+                          "numel", "density", "groups"):
+                    if k in st:
+                        v = st[k]
+                        if not (isinstance(v, (int, float)) or v is None):
+                            v = len(v) if hasattr(v, "__len__") else str(v)
+                        rec[k] = v
+                bc = st.get("backward_s")
+                rec["backward_compute_s"] = bc
+                rec["compute_s"] = (t1 - t0) + (t3 - t2) + (bc if bc is not None else (t2 - t1))
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                ev = wl.evaluate(model)
+                rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
+                evals.append({"step": step, "time_s": train_time, **ev})
+                last_acc = ev["accuracy"]
+                if time_to_target is None and ev["accuracy"] >= cfg.target_accuracy:
+                    time_to_target = train_time
+            losses.append(lv)
+            rows.append(rec)
+            if metrics_f is not None:
+                metrics_f.write(json.dumps(rec) + "\n")
+                metrics_f.flush()
+            if bar is not None:
+                post = {"loss": f"{lv:.3f}", "acc": "-" if last_acc is None else f"{last_acc:.3f}",
+                        "step_ms": f"{1e3 * step_s:.0f}"}
+                if "comm_s" in rec:
+                    post.update(sel_ms=f"{1e3 * rec.get('select_s', 0):.0f}", comm_ms=f"{1e3 * rec['comm_s']:.0f}",
+                                wait_ms=f"{1e3 * rec.get('wait_s', 0) or 0:.0f}")
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+                checkpoint(step + 1)
+    except BaseException:
+        _close(ddp)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics_f is not None:
+            metrics_f.close()
+    if cfg.final_checkpoint:
+        checkpoint(cfg.steps)
+    _close(ddp)
+    summary = summarize(cfg, rows if rd is None else RunDir(run_path).metrics() if rank == 0 else rows,
+                        evals, time_to_target, train_time, numel)
+    if record_losses:
+        summary["losses"] = losses
+    return summary
+
+
+def _close(ddp) -> None:
+    close = getattr(ddp, "close", None)
+    if callable(close):
+        close()
+
+
+def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_target, train_time, numel) -> dict:
+    """Final numbers of a run (summary.json)."""
+    import statistics as stt
+
+    steady = rows[min(len(rows) - 1, 3):] if rows else []  # drop warm-up steps from the averages
+
+    def med(key):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        return stt.median(vals) if vals else None
+
+    def mean(key):
+        vals = [r[key] for r in steady if r.get(key) is not None]
+        return stt.mean(vals) if vals else None
+
+    final = evals[-1] if evals else {}
+    return {
+        "name": cfg.name, "label": cfg.label(), "workload": cfg.workload, "reducer": cfg.reducer,
+        "density": None if cfg.reducer in ("dense",) + TORCH_DDP else cfg.density, "merge": cfg.merge,
+        "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
+        "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
+        "best_accuracy": max((e["accuracy"] for e in evals), default=None),
+        "target_accuracy": cfg.target_accuracy, "time_to_target_s": time_to_target,
+        "train_time_s": train_time,
+        "median_step_s": med("step_s"), "median_compute_s": med("compute_s"), "median_select_s": med("select_s"),
+        "median_comm_s": med("comm_s"), "median_wait_s": med("wait_s"),
+        "mean_step_s": mean("step_s"), "mean_select_s": mean("select_s"),
+        "median_bytes_sent": med("bytes_sent"), "median_density": med("density"),
+        "final_train_loss": stt.mean([r["loss"] for r in rows[-10:]]) if rows else None,
+        "evals": evals,
+    }

@@ -1,0 +1,184 @@
+"""Reports of several runs side by side: ``report.md`` + PNG plots (matplotlib, Agg backend).
+
+Input: run directories written by :mod:`sparsync.train.loop` (``summary.json``, ``metrics.jsonl``).
+Output, in the comparison directory:
+
+* ``accuracy_vs_time.png``  held-out accuracy against training wall-clock (evaluation excluded);
+* ``step_breakdown.png``    median time per step: the main thread's compute (forward + backward
+  compute + optimizer) and wait (reduction not hidden behind backward), next to the reducers' own
+  selection and communication time (which may overlap backward); torch DDP has no split (its
+  all-reduce runs inside backward), shown as one bar;
+* ``bytes_per_step.png``    median bytes sent per rank per step (log scale);
+* ``density.png``           achieved density (entries transmitted / entries) per step;
+* ``report.md``             the table (median step, split, MB/step, density, time to target
+  accuracy, final accuracy, speed-up over dense's time to target) and the plots.
+
+Time to target = training wall-clock at the first evaluation whose accuracy reaches the target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+__all__ = ["format_table", "table_rows", "write_report"]
+
+
+def _load(run_dir: Path) -> tuple[dict, list[dict]]:
+    s = json.loads((run_dir / "summary.json").read_text())
+    m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return s, m
+
+
+def _ms(v):
+    return "–" if v is None else f"{1e3 * v:.1f}"
+
+
+def table_rows(summaries: list[dict]) -> list[dict]:
+    """One row per run; ``vs_dense`` = dense SparseDDP time-to-target / this run's."""
+    dense = next((s for s in summaries if s["reducer"] == "dense"), None)
+    base_t = dense.get("time_to_target_s") if dense else None
+    rows = []
+    for s in summaries:
+        tt = s.get("time_to_target_s")
+        rows.append({
+            "config": s["label"], "name": s["name"],
+            "step_ms": _ms(s.get("median_step_s")), "compute_ms": _ms(s.get("median_compute_s")),
+            "select_ms": _ms(s.get("median_select_s")), "comm_ms": _ms(s.get("median_comm_s")),
+            "select_mean_ms": _ms(_max_rank(s, "mean_select_s") or s.get("mean_select_s")),
+            "wait_ms": _ms(s.get("median_wait_s")),
+            "mb_step": "–" if s.get("median_bytes_sent") is None else f"{s['median_bytes_sent'] / 1e6:.3f}",
+            "density": "–" if s.get("median_density") is None else f"{s['median_density']:.4f}",
+            "time_to_target": "not reached" if tt is None else f"{tt:.2f} s",
+            "final_acc": "–" if s.get("final_accuracy") is None else f"{100 * s['final_accuracy']:.2f} %",
+            "vs_dense": ("–" if tt is None or base_t is None else f"{base_t / tt:.2f}x"),
+        })
+    return rows
+
+
+_COLS = [("config", "configuration"), ("step_ms", "step ms"), ("compute_ms", "compute ms"),
+         ("select_ms", "select ms"), ("select_mean_ms", "select ms (mean, slowest rank)"),
+         ("comm_ms", "comm ms"), ("wait_ms", "wait ms"), ("mb_step", "MB sent/step"),
+         ("density", "density"), ("time_to_target", "time to target"), ("final_acc", "final acc"),
+         ("vs_dense", "speed-up vs dense")]
+
+
+def format_table(rows: list[dict], markdown: bool = True) -> str:
+    heads = [h for _, h in _COLS]
+    body = [[str(r[k]) for k, _ in _COLS] for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
+        lines += ["| " + " | ".join(b) + " |" for b in body]
+        return "\n".join(lines)
+    w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(heads)]
+    fmt = lambda cells: "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(cells))
+    return "\n".join([fmt(heads), fmt(["-" * x for x in w])] + [fmt(b) for b in body])
+
+
+def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, notes: list[str] | None = None) -> Path:
+    """Write plots and report.md into ``out_dir``; returns the report path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [_load(Path(d)) for d in run_dirs]
+    summaries = [s for s, _ in runs]
+    target = summaries[0].get("target_accuracy") if summaries else None
+
+    # accuracy vs wall-clock
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s, m in runs:
+        ev = [r for r in m if "accuracy" in r]
+        ax.plot([r["time_s"] for r in ev], [r["accuracy"] for r in ev], marker=".", label=s["label"])
+    if target:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
+    ax.set_xlabel("training wall-clock (s, evaluation excluded)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "accuracy_vs_time.png", dpi=110)
+    plt.close(fig)
+
+    # step breakdown: left bar = main thread (compute + wait), right bar = reducer work (select + comm)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    labels = [s["label"] for s in summaries]
+    xs = list(range(len(summaries)))
+    w = 0.38
+    ms = lambda s, k: 1e3 * (s.get(k) or 0.0)
+    comp = [ms(s, "median_compute_s") for s in summaries]
+    wait = [ms(s, "median_wait_s") for s in summaries]
+    sel = [ms(s, "median_select_s") for s in summaries]
+    com = [ms(s, "median_comm_s") for s in summaries]
+    ddp = [ms(s, "median_step_s") if s.get("median_compute_s") is None else 0.0 for s in summaries]
+    left = [x - w / 2 for x in xs]
+    right = [x + w / 2 for x in xs]
+    ax.bar(left, comp, w, label="compute (fwd + bwd + optimizer)", color="tab:blue")
+    ax.bar(left, wait, w, bottom=comp, label="wait for reduction (not hidden)", color="tab:red")
+    ax.bar(left, ddp, w, color="lightgrey", label="torch DDP step (no split)")
+    ax.bar(right, sel, w, label="reducer: select", color="tab:orange")
+    ax.bar(right, com, w, bottom=sel, label="reducer: comm", color="tab:green")
+    ax.scatter(left, [ms(s, "median_step_s") for s in summaries], color="black", marker="_", s=300, zorder=3,
+               label="measured step")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, rotation=25, ha="right", fontsize=8)
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title("time per step: main thread (left) and reducer work (right, may overlap backward)", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "step_breakdown.png", dpi=110)
+    plt.close(fig)
+
+    # bytes per step / density per step
+    for key, fname, ylabel, logy in (("bytes_sent", "bytes_per_step.png", "bytes sent per rank per step", True),
+                                     ("density", "density.png", "achieved density", True)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for s, m in runs:
+            pts = [(r["step"], r[key]) for r in m if isinstance(r.get(key), (int, float)) and r[key] > 0]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=s["label"])
+        if logy:
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=110)
+        plt.close(fig)
+
+    s0 = summaries[0] if summaries else {}
+    lines = [f"# {title}", ""]
+    lines += [(f"- workload `{s0.get('workload')}`, {s0.get('workers')} workers, network `{s0.get('network')}`, "
+               f"{s0.get('steps')} steps, target accuracy {target}"), ""]
+    for n in notes or []:
+        lines.append(f"- {n}")
+    if notes:
+        lines.append("")
+    lines += [format_table(table_rows(summaries)), "",
+              ("Step times are medians after 3 warm-up steps (rank 0). `select ms (mean, slowest rank)` is the "
+               "largest per-rank mean: it shows selection that happens on some steps only, e.g. CLT-k's rotating "
+               "leader. `comm` is the reducers' own time and may "
+               "overlap backward; `wait` is the communication left after backward. torch DDP rows have no split "
+               "(their all-reduce runs inside backward); their bytes are the ring all-reduce formula."), ""]
+    for f, cap in (("accuracy_vs_time.png", "accuracy vs wall-clock"), ("step_breakdown.png", "time per step"),
+                   ("bytes_per_step.png", "bytes per step"), ("density.png", "achieved density")):
+        lines += [f"![{cap}]({f})", ""]
+    lines += ["Runs: " + ", ".join(f"`{Path(d)}`" for d in run_dirs), ""]
+    p = out_dir / "report.md"
+    p.write_text("\n".join(lines))
+    return p
+
+
+def _max_rank(s: dict, key: str):
+    vals = [r.get(key) for r in s.get("per_rank") or [] if r.get(key) is not None]
+    return max(vals) if vals else None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)

@@ -1,0 +1,248 @@
+"""Run directories: ``runs/<name>/`` with config.json, metrics.jsonl, summary.json and checkpoints.
+
+Layout::
+
+    runs/<name>/config.json        the full TrainConfig (what was asked for, after defaults)
+    runs/<name>/metrics.jsonl      one JSON object per step (rank 0's view), eval points included
+    runs/<name>/summary.json       final accuracy, time to target, mean time split, bytes
+    runs/<name>/checkpoints/step_000040/rank0.pt ... rankP-1.pt   one file per rank
+    runs/<name>/checkpoints/latest  text file naming the newest complete checkpoint
+
+Why per-rank checkpoint files: the reducers' error-feedback residuals differ per rank, so a
+bitwise-identical resume needs every rank's state. A checkpoint counts as complete only once
+``latest`` names it (written by rank 0 after every rank has saved), so a crash in the middle of
+saving leaves the previous checkpoint in charge.
+
+Refusals (clear messages, never a silent overwrite): an existing run directory without ``--force``
+or ``--resume``; ``--resume`` with no checkpoint; a checkpoint whose file is unreadable (corrupt) or
+whose config fingerprint / world size / rank differs from the run's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+__all__ = ["CKPT_FORMAT", "CheckpointError", "RunDir", "RunExists", "TrainConfig"]
+
+CKPT_FORMAT = "sparsync-train-checkpoint/1"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, unreadable, or does not belong to this run."""
+
+
+class RunExists(RuntimeError):
+    """The run directory exists and neither --force nor --resume was given."""
+
+
+#: fields that do not change the trajectory of a run (may differ between a run and its resume)
+_VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "force", "resume",
+             "target_accuracy", "timeout", "final_checkpoint"}
+
+
+@dataclass
+class TrainConfig:
+    """One training configuration (``sparsync train`` arguments after defaults are filled in)."""
+
+    workload: str = "digits-mlp"
+    reducer: str = "dense"            # a registered reducer, or "ddp" / "ddp-fp16" (torch's own DDP)
+    density: float = 0.01
+    merge: str = "single"
+    reducer_options: dict = field(default_factory=dict)
+    workload_options: dict = field(default_factory=dict)
+    ddp_options: dict = field(default_factory=dict)   # extra SparseDDP keywords (nonfinite, unused, ...)
+    workers: int = 4
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int | None = None     # per worker
+    lr: float | None = None
+    optimizer: str | None = None      # sgd | momentum | adam
+    momentum: float = 0.9
+    target_accuracy: float | None = None
+    eval_every: int | None = None
+    seed: int = 0
+    name: str | None = None
+    runs_dir: str = "runs"
+    checkpoint_every: int = 0
+    final_checkpoint: bool = True     # compare turns it off (each rank's file is ~50 MB for digits-mlp)
+    network: str = "loopback"         # loopback | 1gbit (any tc rate) | thread
+    progress: bool = True
+    timeout: float = 600.0
+
+    def fill_defaults(self, workload) -> TrainConfig:
+        d = workload.defaults
+        for k in ("batch_size", "lr", "optimizer", "target_accuracy", "eval_every"):
+            if getattr(self, k) is None:
+                setattr(self, k, d[k])
+        if self.steps is None:
+            if self.epochs is not None:
+                spe = workload.steps_per_epoch(self.workers, self.batch_size)
+                self.steps = max(1, round(self.epochs * spe))
+            else:
+                self.steps = d["steps"]
+        if self.name is None:
+            self.name = default_name(self)
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the trajectory (not the step budget, name, network)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in _VOLATILE}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    @property
+    def is_torch_ddp(self) -> bool:
+        return self.reducer in ("ddp", "ddp-fp16")
+
+    def label(self) -> str:
+        if self.is_torch_ddp:
+            return "torch " + self.reducer
+        if self.reducer == "dense":
+            return f"dense ({self.merge})"
+        return f"{self.reducer} {self.density:g} ({self.merge})"
+
+
+def default_name(cfg: TrainConfig) -> str:
+    r = cfg.reducer if cfg.is_torch_ddp or cfg.reducer == "dense" else f"{cfg.reducer}-{cfg.density:g}"
+    return f"{cfg.workload}-{r}-{cfg.merge.replace(':', '')}-P{cfg.workers}-s{cfg.seed}"
+
+
+class RunDir:
+    """One run's directory; created by the launcher process (rank 0 appends metrics)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    def prepare(cls, cfg: TrainConfig, force: bool = False, resume: bool = False) -> tuple[RunDir, dict | None]:
+        """Create (or reopen for ``resume``) ``runs_dir/name``; returns (run dir, resume info or None)."""
+        rd = cls(Path(cfg.runs_dir) / cfg.name)
+        if resume:
+            if not rd.path.exists():
+                raise CheckpointError(f"--resume: run directory {rd.path} does not exist (nothing to resume)")
+            step = rd.latest_step()
+            if step is None:
+                raise CheckpointError(f"--resume: {rd.path} has no complete checkpoint "
+                                      f"(run with --checkpoint-every N, or the run ended before its first save)")
+            old = rd.read_config()
+            if old is not None and old.fingerprint() != cfg.fingerprint():
+                diff = sorted(k for k, v in cfg.to_dict().items()
+                              if k not in _VOLATILE and old.to_dict().get(k) != v)
+                raise CheckpointError(f"--resume: {rd.path} was created with a different configuration "
+                                      f"(differs in: {', '.join(diff)}); refusing to mix them")
+            rd.verify_checkpoint(step, cfg)
+            rd.truncate_metrics(step)
+            rd.write_config(cfg)
+            return rd, {"step": step, "dir": str(rd.ckpt_dir(step))}
+        if rd.path.exists() and any(rd.path.iterdir()):
+            if not force:
+                raise RunExists(f"run directory {rd.path} already exists; pass --force to overwrite it, "
+                                f"--resume to continue it, or --name to pick another name")
+            shutil.rmtree(rd.path)
+        rd.path.mkdir(parents=True, exist_ok=True)
+        rd.write_config(cfg)
+        (rd.path / "metrics.jsonl").write_text("")
+        return rd, None
+
+    # ------------------------------------------------------------------ files
+    def write_config(self, cfg: TrainConfig) -> None:
+        d = cfg.to_dict()
+        d["fingerprint"] = cfg.fingerprint()
+        _atomic_write(self.path / "config.json", json.dumps(d, indent=2, sort_keys=True, default=str))
+
+    def read_config(self) -> TrainConfig | None:
+        p = self.path / "config.json"
+        if not p.exists():
+            return None
+        return TrainConfig.from_dict(json.loads(p.read_text()))
+
+    def metrics(self) -> list[dict]:
+        p = self.path / "metrics.jsonl"
+        if not p.exists():
+            return []
+        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+
+    def truncate_metrics(self, step: int) -> None:
+        """Keep the records of steps < ``step`` (the checkpoint was taken after ``step`` steps)."""
+        keep = [m for m in self.metrics() if m.get("step", 0) < step]
+        _atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in keep))
+
+    def write_summary(self, summary: dict) -> None:
+        _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str))
+
+    def summary(self) -> dict | None:
+        p = self.path / "summary.json"
+        return json.loads(p.read_text()) if p.exists() else None
+
+    # ------------------------------------------------------------------ checkpoints
+    def ckpt_dir(self, step: int) -> Path:
+        return self.path / "checkpoints" / f"step_{step:06d}"
+
+    def latest_step(self) -> int | None:
+        p = self.path / "checkpoints" / "latest"
+        if not p.exists():
+            return None
+        try:
+            return int(p.read_text().strip())
+        except ValueError:
+            raise CheckpointError(f"{p} is corrupt (expected a step number)") from None
+
+    def mark_latest(self, step: int) -> None:
+        _atomic_write(self.path / "checkpoints" / "latest", f"{step}\n")
+
+    def verify_checkpoint(self, step: int, cfg: TrainConfig) -> None:
+        """Open every rank's file of checkpoint ``step`` and check it belongs to ``cfg``."""
+        for r in range(cfg.workers):
+            load_checkpoint(self.ckpt_dir(step) / f"rank{r}.pt", cfg, r)
+
+
+def save_checkpoint(path: Path, cfg: TrainConfig, rank: int, step: int, state: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = {"format": CKPT_FORMAT, "fingerprint": cfg.fingerprint(), "world_size": cfg.workers,
+            "rank": rank, "step": step, **state}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, cfg: TrainConfig, rank: int) -> dict:
+    """Load and validate one rank's checkpoint; a clear CheckpointError for anything wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint file {path} is missing (incomplete checkpoint?)")
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a sparsync checkpoint "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(blob, dict) or blob.get("format") != CKPT_FORMAT:
+        raise CheckpointError(f"checkpoint {path} is not a {CKPT_FORMAT} file")
+    if blob.get("fingerprint") != cfg.fingerprint():
+        raise CheckpointError(f"checkpoint {path} belongs to a different configuration "
+                              f"(fingerprint {blob.get('fingerprint')} != {cfg.fingerprint()})")
+    if blob.get("world_size") != cfg.workers or blob.get("rank") != rank:
+        raise CheckpointError(f"checkpoint {path} was written by rank {blob.get('rank')} of "
+                              f"{blob.get('world_size')}, expected rank {rank} of {cfg.workers}")
+    return blob
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

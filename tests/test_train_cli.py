@@ -1,0 +1,70 @@
+"""Bad input to `sparsync train` / `compare` gets clear messages, and `compare` writes its report."""
+
+import os
+
+import pytest
+
+from sparsync.cli import main
+from sparsync.commands.compare import config_slug, parse_configs
+
+
+def _err(capsys, argv):
+    code = main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_unknown_names_list_valid_ones(tmp_path, capsys):
+    code, err = _err(capsys, ["train", "--workload", "imagenet", "--runs-dir", str(tmp_path)])
+    assert code == 2 and "unknown workload 'imagenet'" in err and "digits-mlp" in err and "lm" in err
+    code, err = _err(capsys, ["train", "--reducer", "nope", "--runs-dir", str(tmp_path)])
+    assert code == 2 and "unknown reducer 'nope'" in err and "dense" in err and "ddp-fp16" in err
+    code, err = _err(capsys, ["compare", "--configs", "dense;bogus:0.1", "--runs-dir", str(tmp_path)])
+    assert code == 2 and "unknown reducer 'bogus'" in err
+    code, err = _err(capsys, ["train", "--density", "2", "--runs-dir", str(tmp_path)])
+    assert code == 2 and "density" in err
+    assert not any(tmp_path.iterdir())  # nothing was created for invalid input
+
+
+def test_bandwidth_without_root_says_how(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    code, err = _err(capsys, ["train", "--bandwidth", "1gbit", "--runs-dir", str(tmp_path)])
+    assert code == 2 and "needs root" in err and "sudo" in err and "--loopback" in err
+
+
+def test_parse_configs():
+    cs = parse_configs("dense; micro:0.02,merge=buckets:25 ;s2,rows=3", 0.01, "single")
+    assert [c["reducer"] for c in cs] == ["dense", "micro", "s2"]
+    assert cs[1]["density"] == 0.02 and cs[1]["merge"] == "buckets:25" and cs[2]["options"] == {"rows": 3}
+    assert config_slug(cs[1]) == "micro-0.02-buckets25"
+    with pytest.raises(ValueError, match="not a number"):
+        parse_configs("micro:x", 0.01, "single")
+
+
+def test_compare_writes_report_and_refuses_overwrite(tmp_path, capsys):
+    argv = ["compare", "--thread", "--no-baselines", "--configs", "dense;topka:0.05", "--workload", "digits-mlp",
+            "--workload-option", "width=64", "--steps", "6", "--eval-every", "3", "--workers", "2",
+            "--runs-dir", str(tmp_path), "--name", "cmp", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "dense (single)" in out and "topka 0.05 (single)" in out and "report:" in out
+    root = tmp_path / "cmp"
+    for f in ("report.md", "accuracy_vs_time.png", "step_breakdown.png", "bytes_per_step.png", "density.png"):
+        assert (root / f).stat().st_size > 0, f
+    md = (root / "report.md").read_text()
+    assert "time to target" in md and "topka 0.05" in md
+    assert (root / "dense-single" / "summary.json").exists()
+    code, err = _err(capsys, argv)
+    assert code == 2 and "--force" in err
+
+
+def test_run_default_verdict_and_choice():
+    from sparsync.commands.run_default import pick_sparse, verdict
+
+    assert len(pick_sparse(3)) == 3 and all(0 < d <= 1 for _, d in pick_sparse(3))
+    base = {"reducer": "dense", "time_to_target_s": 12.0, "final_accuracy": 0.97, "label": "dense"}
+    fast = {"reducer": "micro", "time_to_target_s": 3.9, "final_accuracy": 0.965, "label": "micro"}
+    slow = {"reducer": "s2", "time_to_target_s": 6.0, "final_accuracy": 0.97, "label": "s2"}
+    assert verdict([base, fast, slow]).startswith("goal MET")
+    assert verdict([base, {**fast, "final_accuracy": 0.95}]).startswith("goal NOT met")  # 2 points worse
+    assert verdict([base, slow]).startswith("goal NOT met")
+    assert "no sparse reducer" in verdict([base, {**slow, "time_to_target_s": None}])
