@@ -102,9 +102,21 @@ def _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta):
         for t in threads:
             t.join()
     if errors:
-        r, e, tb = min(errors, key=lambda x: x[0])
+        # the root cause: the first error that is not a consequence of another rank's abort
+        roots = [x for x in errors if not _caused_by_abort(x[1])]
+        r, e, _ = (roots or errors)[0]
         raise _name_rank(e, r, world_size)
     return results
+
+
+def _caused_by_abort(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, RankAborted):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 # ---------------------------------------------------------------------- processes
