@@ -27,8 +27,6 @@ def register(sub) -> None:
     p.add_argument("--loopback", action="store_true", help="force loopback even when root")
     p.add_argument("--sparse", type=int, default=3, help="how many sparse reducers (default 3)")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--nan-check", action="store_true",
-                   help="keep SparseDDP's per-step NaN/Inf flag exchange (off by default here, as in torch DDP)")
     p.set_defaults(func=run)
 
 
@@ -72,12 +70,7 @@ def run(a) -> int:
         loopback=network == "loopback", thread=False, steps=a.steps, epochs=None, batch_size=None, lr=None,
         optimizer=None, target_accuracy=None, eval_every=None, seed=0, workload_option=None, runs_dir=a.runs_dir,
         force=True, no_progress=a.no_progress, timeout=900.0, configs=";".join(configs), density=0.01,
-        merge="single", no_baselines=True, name="make-run",
-        ddp_option=None if a.nan_check else ["nonfinite=ignore"])
-    if not a.nan_check:
-        notes.append("SparseDDP runs with nonfinite=ignore, like torch DDP (which has no NaN check): the "
-                     "engine's per-step NaN/Inf flag all-gather costs ~18 ms per step here; the training "
-                     "loop still stops on a non-finite loss on any rank (`--nan-check` turns it back on)")
+        merge="single", no_baselines=True, name="make-run", ddp_option=None)
     report, _ = compare(args, notes=notes, title=f"make run: digits wide MLP, 4 workers, {network}")
     summaries = [json.loads(p.read_text()) for p in sorted(report.parent.glob("*/summary.json"))]
     print(verdict(summaries))

@@ -1,0 +1,123 @@
+"""``sparsync bench-select``: selection cost, density tracking and communication of the threshold
+sparsifiers (MiCRO, hard threshold, CLT-k, TopkA) - the micro section of ``docs/benchmarks.md``.
+
+Parts (``--parts``, default all three):
+
+* ``selection`` - exact top-k vs threshold (naive and chunked kernel) vs MiCRO's partitioned
+  threshold at each ``--sizes`` x ``--densities`` (:func:`sparsync.bench.selection.time_selection`).
+* ``trace`` - achieved density vs step of micro and hard_threshold on the digits-MLP gradient stream
+  (4 thread ranks); ``--plot`` writes the PNG.
+* ``comm`` - per-step time of the reducers on ``--world-sizes`` ranks on the emulated cluster
+  (``--bandwidth``, needs root; ``loopback`` for plain gloo).
+
+Run it under the shared benchmark lock: ``flock /tmp/sparsync-bench.lock sparsync bench-select``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _list(s, conv):
+    try:
+        return [conv(float(x)) if conv is int else conv(x) for x in str(s).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"bad comma list: {s!r}") from None
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench-select", help="selection cost and density of MiCRO / threshold sparsifiers",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--parts", default="selection,trace,comm", help="comma list of selection, trace, comm")
+    p.add_argument("--sizes", default="1e6,1e7,1e8", help="vector lengths for the selection part")
+    p.add_argument("--densities", default="0.01,0.001", help="densities for the selection part")
+    p.add_argument("--partitions", type=int, default=4, help="P for MiCRO's partitioned selection (default 4)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repetitions per kernel (median)")
+    p.add_argument("--device", default="cpu", help="device for the selection part (cpu, cuda)")
+    p.add_argument("--trace-steps", type=int, default=200)
+    p.add_argument("--plot", metavar="PNG", help="write the density-vs-step plot here")
+    p.add_argument("--world-sizes", default="4,8", help="rank counts for the comm part")
+    p.add_argument("--numel", default="1e7", help="gradient length for the comm part")
+    p.add_argument("--density", type=float, default=0.01, help="density for the trace and comm parts")
+    p.add_argument("--bandwidth", default="1gbit", help="emulated link rate, or 'loopback'")
+    p.add_argument("--reducers", default="dense,micro,cltk,topka,hard_threshold",
+                   help="comma list; options after a colon, ';'-separated: 'micro:rule=adaptive'")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per reducer in the comm part")
+    p.add_argument("--warmup", type=int, default=5)
+    p.set_defaults(func=_main)
+
+
+def _row(cells):
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _main(args) -> int:
+    import torch
+
+    from ..bench import selection as bs
+
+    torch.set_num_threads(1)
+    parts = set(_list(args.parts, str))
+    bad = parts - {"selection", "trace", "comm"}
+    if bad:
+        raise SystemExit(f"--parts: unknown {', '.join(sorted(bad))}")
+    if "selection" in parts:
+        print(f"\n### Selection cost ({args.device}, 1 thread; median of {args.repeat}; ms)\n")
+        print(_row(["n", "density", "exact top-k", "threshold naive", "threshold (chunked)",
+                    f"MiCRO partition (1/{args.partitions})"]))
+        print(_row(["---"] * 6))
+        for n in _list(args.sizes, int):
+            for d in _list(args.densities, float):
+                try:
+                    rows = bs.time_selection(n, d, P=args.partitions, repeat=args.repeat, device=args.device)
+                except RuntimeError as e:  # out of memory at 1e8 and the like
+                    print(_row([f"{n:.0e}", d, f"failed: {e}"[:60], "", "", ""]))
+                    continue
+                t = {r["selector"]: r["time_s"] * 1e3 for r in rows}
+                print(_row([f"{n:.0e}", d] + [f"{t[s]:.2f}" for s in bs.SELECTORS]))
+                sys.stdout.flush()
+    if "trace" in parts:
+        from ..launch import run_local
+
+        steps = args.trace_steps
+        if steps < 2:
+            raise SystemExit("--trace-steps must be >= 2")
+        variants = [("micro (histogram, default)", "micro", {}),
+                    ("micro rule=adaptive", "micro", {"rule": "adaptive"}),
+                    ("micro rule=micro (authors)", "micro", {"rule": "micro"}),
+                    ("hard_threshold", "hard_threshold", {})]
+        res = run_local(lambda c: bs.density_trace(c, reducers=variants, steps=steps, density=args.density), 4)
+        tr = res[0]
+        d = args.density
+        print(f"\n### Achieved density, digits MLP ({tr['numel']} parameters), 4 ranks, lr * grad, target {d}\n")
+        skip = min(50, steps // 2)
+        print(_row(["reducer", "within 10% from step", f"steps {skip}+: min", "median", "max",
+                    f"share of steps {skip}+ within 10%"]))
+        print(_row(["---"] * 6))
+        for label, _, _ in variants:
+            m = tr[label]["density"]
+            first = next((i for i in range(len(m)) if all(abs(x / d - 1) <= 0.1 for x in m[i:])), "never")
+            tail = m[skip:]
+            share = sum(abs(x / d - 1) <= 0.1 for x in tail) / len(tail)
+            print(_row([label, first, f"{min(tail):.5f}", f"{sorted(tail)[len(tail) // 2]:.5f}",
+                        f"{max(tail):.5f}", f"{share:.0%}"]))
+        if args.plot:
+            bs.plot_density({label: tr[label] for label, _, _ in variants}, d, args.plot,
+                            title=f"digits MLP, {tr['numel']} params, 4 ranks, target {d}")
+            print(f"\nplot: {args.plot}")
+    if "comm" in parts:
+        bw = None if args.bandwidth == "loopback" else args.bandwidth
+        n = _list(args.numel, int)[0]
+        names = _list(args.reducers, str)
+        print(f"\n### Reducers, n = {n:.0e}, density {args.density}, {args.bandwidth}; median of max over ranks (ms)\n")
+        print(_row(["P", "reducer", "total", "select", "comm", "achieved density", "MB received / rank"]))
+        print(_row(["---"] * 7))
+        for P in _list(args.world_sizes, int):
+            rows = bs.comm_benchmark(P, n, args.density, reducers=names, steps=args.steps, warmup=args.warmup,
+                                     bandwidth=bw)
+            for r in rows:
+                print(_row([P, r["reducer"], f"{r['total_s'] * 1e3:.1f}", f"{r.get('select_s', 0) * 1e3:.1f}",
+                            f"{r.get('comm_s', 0) * 1e3:.1f}", f"{r.get('density', float('nan')):.4f}",
+                            f"{r.get('bytes_received', 0) / 1e6:.2f}"]))
+                sys.stdout.flush()
+    return 0

@@ -1,0 +1,75 @@
+"""``cltk``: CLT-k - a cyclic leader picks the top-k indices for everyone (MiCRO's baseline).
+
+What (``spec/micro.md`` §7, CLT-k): at step ``t`` the leader is rank ``t mod P``. Every rank
+accumulates ``acc = grad + residual``; the leader selects the ``k`` entries of largest ``|acc|`` of
+*its own* accumulator (exact ``torch.topk``), broadcasts the indices, and every rank all-reduces its
+values ``acc[idx]`` at those indices. Every rank zeroes ``acc[idx]`` and keeps the rest as residual
+(conserving: whatever a rank did not send stays in its residual). No build-up (exactly ``k``
+entries), but the other ranks wait while the leader sorts, and their own large entries wait
+until a leader picks them.
+
+Why: the comparison point of the MiCRO paper for "no build-up, but selection-bound".
+
+Cost (binomial-tree broadcast of ``k`` indices, ring all-reduce of ``k`` values; per rank)::
+
+    rounds         = ceil(log2 P) + 2 (P - 1)
+    bytes_received = k * index_bytes (non-leaders; 0 at the leader) + 2 (P - 1) * k * value_bytes // P
+
+``stats``: ``selected = k``, ``leader``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..select.topk import topk_abs
+from ..sparse import index_dtype_for
+from .base import Reducer
+from .micro import BufferedAccumulator
+from .registry import register
+
+
+@register("cltk")
+class CLTKReducer(BufferedAccumulator, Reducer):
+    conserving = True
+
+    def __init__(self, comm, density: float = 0.01, reuse_buffers: bool = True, **rest):
+        super().__init__(comm, density=density, **rest)
+        self.reuse_buffers = bool(reuse_buffers)
+
+    def _load_extra_state(self, d: dict) -> None:
+        self._forget_buffers()
+
+    def _reduce(self, grad):
+        comm, k = self.comm, self.k
+        leader = self.step % comm.world_size
+        itype = index_dtype_for(self.numel)
+        with self.timed("select"):
+            acc = self.accumulate(grad)
+            if comm.rank == leader:
+                idx, _ = topk_abs(acc, k)
+                wire = idx.to(itype)
+            else:
+                wire = torch.empty(k, dtype=itype, device=acc.device)
+        with self.timed("comm"):
+            with comm.phase(self.name + ".indices"):
+                idx = comm.broadcast(wire, leader).to(torch.int64)
+            with comm.phase(self.name + ".values"):
+                vals = comm.allreduce(acc[idx])
+        with self.timed("update"):
+            acc.index_fill_(0, idx, 0)
+            self.residual = acc
+            out = torch.zeros(self.numel, dtype=acc.dtype, device=acc.device)
+            out.index_copy_(0, idx, vals)
+        self.stats.update(selected=k, leader=leader)
+        return out
+
+    @classmethod
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
+        """Per rank; ``bytes_received`` is ``(leader, non-leader)``."""
+        if P <= 1:
+            return {"rounds": 0, "bytes_received": 0}
+        vals = 2 * (P - 1) * k * value_bytes // P
+        return {"rounds": math.ceil(math.log2(P)) + 2 * (P - 1), "bytes_received": (vals, vals + k * index_bytes)}
