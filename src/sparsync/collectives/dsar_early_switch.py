@@ -37,7 +37,6 @@ from .sparcml_common import (
     as_stream,
     densify,
     direct_split_sum,
-    expected_union,
     fold,
     index_bytes_for,
     log2i,
@@ -45,8 +44,7 @@ from .sparcml_common import (
     part_bounds,
     pow2_floor,
     ring_allgather_dense,
-    unfold,
-)
+    unfold, union_model)
 from .ssar_split_allgather import _label
 
 
@@ -137,12 +135,7 @@ def dsar_early_switch_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="ra
     sim = CostSim(value_bytes, index_bytes)
     dg = n // G
     kg = k / G
-    if pattern == "identical":
-        union = lambda j: kg
-    elif pattern == "expected":
-        union = lambda j: round(expected_union(kg, dg, j))
-    else:
-        union = lambda j: min(dg, j * kg)
+    union = union_model(pattern, kg, dg)
     b1 = (G - 1) * sim.bytes(sim.start(kg, dg), dg)
     s0 = sim.start(kg, dg)
     acc = s0

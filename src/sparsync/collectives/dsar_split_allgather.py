@@ -32,7 +32,6 @@ from .sparcml_common import (
     allgather_concat,
     as_stream,
     densify,
-    expected_union,
     fold,
     index_bytes_for,
     log2i,
@@ -40,8 +39,7 @@ from .sparcml_common import (
     part_bounds,
     pow2_floor,
     ring_allgather_dense,
-    unfold,
-)
+    unfold, union_model)
 from .ssar_split_allgather import _label, split_and_sum, split_phase_cost
 
 ALLGATHERS = ("ring", "recdbl")
@@ -84,12 +82,7 @@ def dsar_split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern=
     sim = CostSim(value_bytes, index_bytes)
     d = n // Pp
     kp = k / Pp
-    if pattern == "identical":
-        union = lambda j: kp
-    elif pattern == "expected":
-        union = lambda j: round(expected_union(kp, d, j))
-    else:
-        union = lambda j: min(d, j * kp)
+    union = union_model(pattern, kp, d)
     split, _ = split_phase_cost(sim, Pp, n, k, union)
     sim.densify(d)
     sim.dense_elems += (Pp - 1) * d  # concatenation copies of the dense all-gather

@@ -244,6 +244,19 @@ def expected_union(k: float, N: float, P: int) -> float:
     return N * (1.0 - (1.0 - min(1.0, k / N)) ** P)
 
 
+def union_model(pattern: str, k_part: float, dim: int):
+    """Union size ``u(j)`` after summing ``j`` parts of ``k_part`` items in a space of ``dim``.
+
+    ``identical``: stays ``k_part``; ``expected``: uniform random indices, :func:`expected_union`;
+    otherwise (``disjoint``, and the upper bound of ``random``): ``min(dim, j * k_part)``.
+    """
+    if pattern == "identical":
+        return lambda j: k_part
+    if pattern == "expected":
+        return lambda j: round(expected_union(k_part, dim, j))
+    return lambda j: min(dim, j * k_part)
+
+
 class CostSim:
     """Stream sizes in the cost formulas, including the dense switch of the wire format.
 
