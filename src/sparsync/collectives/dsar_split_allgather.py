@@ -28,16 +28,13 @@ from __future__ import annotations
 from ..sparse import SparseVec
 from .registry import register
 from .sparcml_common import (
-    CostSim,
+    cost_setup,
     allgather_concat,
     as_stream,
     densify,
     fold,
-    index_bytes_for,
-    log2i,
     num,
     part_bounds,
-    pow2_floor,
     ring_allgather_dense,
     unfold, union_model)
 from .ssar_split_allgather import _label, split_and_sum, split_phase_cost
@@ -74,12 +71,7 @@ def dsar_split_allgather(sv: SparseVec, comm, allgather: str = "ring", **_):
 
 def dsar_split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random", allgather="ring"):
     """See the module docstring (the same for every pattern)."""
-    if index_bytes is None:
-        index_bytes = index_bytes_for(n)
-    Pp = pow2_floor(P)
-    L = log2i(Pp)
-    extra = 2 if Pp != P else 0
-    sim = CostSim(value_bytes, index_bytes)
+    Pp, L, extra, sim = cost_setup(P, n, value_bytes, index_bytes)
     d = n // Pp
     kp = k / Pp
     union = union_model(pattern, kp, d)

@@ -244,6 +244,17 @@ def expected_union(k: float, N: float, P: int) -> float:
     return N * (1.0 - (1.0 - min(1.0, k / N)) ** P)
 
 
+def cost_setup(P: int, n: int, value_bytes: int, index_bytes: int | None):
+    """Common start of the SparCML cost formulas: ``(P', log2 P', fold rounds, CostSim)``.
+
+    ``P'`` is the power of two the algorithm runs on (§3.5 fold/unfold adds 2 rounds when ``P' != P``).
+    """
+    if index_bytes is None:
+        index_bytes = index_bytes_for(n)
+    Pp = pow2_floor(P)
+    return Pp, log2i(Pp), (2 if Pp != P else 0), CostSim(value_bytes, index_bytes)
+
+
 def union_model(pattern: str, k_part: float, dim: int):
     """Union size ``u(j)`` after summing ``j`` parts of ``k_part`` items in a space of ``dim``.
 

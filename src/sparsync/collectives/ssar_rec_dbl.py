@@ -32,14 +32,11 @@ from __future__ import annotations
 from ..sparse import SparseVec, add
 from .registry import register
 from .sparcml_common import (
-    CostSim,
+    cost_setup,
     as_stream,
     exchange_stream,
     expected_union,
     fold,
-    index_bytes_for,
-    log2i,
-    pow2_floor,
     unfold,
 )
 
@@ -72,12 +69,7 @@ def rec_dbl_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random"):
     ``compute``: local work on the critical path (:class:`~.sparcml_common.CostSim`; for ``random``
     that of the disjoint bound), used by ``auto``.
     """
-    if index_bytes is None:
-        index_bytes = index_bytes_for(n)
-    Pp = pow2_floor(P)
-    L = log2i(Pp)
-    extra = 2 if Pp != P else 0
-    sim = CostSim(value_bytes, index_bytes)
+    Pp, L, extra, sim = cost_setup(P, n, value_bytes, index_bytes)
 
     def run(union_of):
         sim.reset()

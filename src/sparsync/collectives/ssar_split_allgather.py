@@ -30,17 +30,14 @@ from __future__ import annotations
 from ..sparse import SparseVec
 from .registry import register
 from .sparcml_common import (
-    CostSim,
+    cost_setup,
     allgather_concat,
     as_stream,
     direct_split_sum,
     expected_union,
     fold,
-    index_bytes_for,
-    log2i,
     num,
     part_bounds,
-    pow2_floor,
     unfold,
 )
 
@@ -89,12 +86,7 @@ def split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="rand
 
     ``compute``: local work on the critical path (for ``random`` that of the disjoint bound).
     """
-    if index_bytes is None:
-        index_bytes = index_bytes_for(n)
-    Pp = pow2_floor(P)
-    L = log2i(Pp)
-    extra = 2 if Pp != P else 0
-    sim = CostSim(value_bytes, index_bytes)
+    Pp, L, extra, sim = cost_setup(P, n, value_bytes, index_bytes)
     d = n // Pp
     kp = k / Pp
 
