@@ -323,6 +323,7 @@ def test_hash_cache_does_not_change_results():
         outs = []
         for cache in (0, 2**25):
             r = ss.make_reducer("s2", comm, density=0.05, block_size=10, rows=3, hash_cache=cache)
-            outs.append([r.reduce(_grad(comm.rank, s, 999)) for s in range(2)] + [r.reduce_sparse(_emb_grad(comm.rank, 0))])
+            outs.append([r.reduce(_grad(comm.rank, s, 999)) for s in range(2)]
+                        + [r.reduce_sparse(_emb_grad(comm.rank, 0))])
         return all(torch.equal(a, b) for a, b in zip(*outs))
     assert all(ss.run_local(fn, 3))

@@ -196,7 +196,8 @@ def _summarize_run(per_rank, configs, algorithms, network, P) -> list[dict]:
 
         group = []
         for a in algorithms:
-            row = {"network": network, "world_size": P, "numel": numel, "density": density, "pattern": pattern, "algorithm": a}
+            row = {"network": network, "world_size": P, "numel": numel, "density": density, "pattern": pattern,
+                   "algorithm": a}
             errors = [e["error"] for recs in per_rank for e in mine(recs, a, "error")]
             if errors:
                 row["error"] = errors[0]

@@ -62,7 +62,8 @@ def _smoke(args) -> int:
               f"({link_bytes / 1e6:.1f} MB each way per rank, ring model)")
         if cl.bandwidth:
             model = link_bytes * 8 / cl.bandwidth
-            print(f"model at {format_bandwidth(cl.bandwidth)}: {model * 1e3:.1f} ms -> measured/model = {t / model:.2f}")
+            print(f"model at {format_bandwidth(cl.bandwidth)}: {model * 1e3:.1f} ms "
+                  f"-> measured/model = {t / model:.2f}")
     return 0 if ok else 1
 
 
