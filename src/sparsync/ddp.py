@@ -50,9 +50,10 @@ class SparseDDP(nn.Module):
         density: fraction of entries each reducer may send.
         merge: ``"wfbp"``, ``"single"``, ``"buckets:<MB>"``, ``"mgwfbp"`` or ``"optimal"``.
         reducer_options: extra keyword options for the reducer.
-        nonfinite: ``"error"`` (default: NaN/Inf gradient on any rank raises ``FloatingPointError``
-            on every rank), ``"skip"`` (every rank drops the step: ``.grad`` set to None),
-            ``"ignore"`` (no check, no flag exchange).
+        nonfinite: ``"error"`` (default: a NaN/Inf gradient raises ``FloatingPointError`` on the
+            rank that saw it, with no extra collective; the launcher stops the others), ``"skip"``
+            (one small flag all-gather per step; every rank drops the step: ``.grad`` set to None),
+            ``"ignore"`` (no check).
         unused: ``"zero"`` (default: parameters without a gradient contribute zeros, like
             ``find_unused_parameters=True``) or ``"error"`` (raise on every rank).
         broadcast_buffers: broadcast rank 0's buffers before every forward (like DDP); default True.

@@ -66,7 +66,7 @@ def add_common(p, compare: bool = False) -> None:
     p.add_argument("--workload-option", action="append", metavar="KEY=VALUE",
                    help="workload option, e.g. sparse_embedding=1 or vocab=5000 (repeatable)")
     p.add_argument("--ddp-option", action="append", metavar="KEY=VALUE",
-                   help="extra SparseDDP keyword, e.g. nonfinite=ignore (skips the per-step NaN flag exchange)")
+                   help="extra SparseDDP keyword, e.g. nonfinite=ignore (skips the local NaN/Inf check)")
     p.add_argument("--runs-dir", default="runs", help="parent directory of run directories (default runs/)")
     p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -92,7 +92,7 @@ def register(sub) -> None:
                        description="Train one configuration of a workload with a gradient reducer.")
     add_common(p)
     p.add_argument("--reducer", default="dense",
-                   help="a registered reducer (sparsync list names them) or ddp / ddp-fp16 (torch's DDP)")
+                   help="a registered reducer (an unknown name lists them) or ddp / ddp-fp16 (torch's DDP)")
     p.add_argument("--density", type=float, default=0.01, help="fraction of gradient entries sent (default 0.01)")
     p.add_argument("--merge", default="single", help="single | wfbp | buckets:25 | mgwfbp | optimal")
     p.add_argument("--option", action="append", metavar="KEY=VALUE", help="reducer option (repeatable)")
