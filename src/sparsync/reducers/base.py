@@ -13,6 +13,14 @@ A subclass implements :meth:`_reduce` and, if it has state beyond the residual a
 :meth:`_extra_state` / :meth:`_load_extra_state`. It times its stages with ``self.timed("select")``
 and ``self.timed("comm")`` and reports what it transmitted with ``self.stats["selected"] = ...``;
 bytes, messages and rounds come from the ledger automatically.
+
+Opt-in helper for the dense result: :meth:`Reducer.zeros_output` returns a zero-filled tensor that
+is recycled from an earlier step once nothing outside the reducer references its memory any more
+(checked on the storage's reference count, so views and ``numpy()`` aliases held by the caller
+count), and is a fresh allocation otherwise. At n = 1e7 a fresh 40 MB ``torch.zeros`` costs ~7 ms
+of page faults per rank on CPU; zeroing a recycled buffer ~0.7 ms. The caller sees no difference:
+the result is zero-filled before the reducer writes it, and a tensor the caller still holds is never
+reused.
 """
 
 from __future__ import annotations
@@ -25,6 +33,14 @@ import torch
 from ..select.topk import check_density
 
 __all__ = ["Reducer"]
+
+
+def _storage_use_count(t: torch.Tensor) -> int | None:
+    """References to ``t``'s storage (tensors, views, aliases); None when torch cannot tell."""
+    try:
+        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
+    except Exception:  # noqa: BLE001 - private API: without it, never recycle
+        return None
 
 
 class Reducer:
@@ -133,6 +149,33 @@ class Reducer:
         """
         acc[sent_idx] = 0
         self.residual = acc
+
+    #: how many earlier outputs :meth:`zeros_output` keeps for recycling (the caller typically
+    #: still holds the previous one while the next step runs, so 2)
+    output_pool_size = 2
+
+    def zeros_output(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
+        """A zero-filled 1-D tensor for this step's dense result (see the module docstring).
+
+        A pooled buffer is reused only when its storage has no reference outside the pool: the
+        caller always gets an alias (``buf.view(-1)``), so while it - or any view of it - is alive
+        the storage count is above the pool's own. Any in-place change the caller made is wiped by
+        the full ``zero_()``.
+        """
+        pool = self.__dict__.setdefault("_output_pool", [])  # [(buffer, its own storage count)]
+        device = torch.device(device)
+        for i, (buf, own) in enumerate(pool):
+            if (own is not None and buf.numel() == numel and buf.dtype == dtype and buf.device == device
+                    and _storage_use_count(buf) == own):
+                pool.append(pool.pop(i))  # most recently used last
+                return buf.zero_().view(-1)
+        buf = torch.zeros(int(numel), dtype=dtype, device=device)
+        own = _storage_use_count(buf)
+        if own is not None:
+            pool.append((buf, own))
+            while len(pool) > max(0, int(self.output_pool_size)):
+                pool.pop(0)
+        return buf.view(-1)
 
     # ------------------------------------------------------------------ internals
     def _sync(self) -> None:
