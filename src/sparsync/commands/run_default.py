@@ -74,7 +74,6 @@ def run(a) -> int:
     report, _ = compare(args, notes=notes, title=f"make run: digits wide MLP, 4 workers, {network}")
     summaries = [json.loads(p.read_text()) for p in sorted(report.parent.glob("*/summary.json"))]
     print(verdict(summaries))
-    print(f"report: {report}")
     return 0
 
 
