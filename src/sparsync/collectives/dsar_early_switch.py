@@ -32,6 +32,7 @@ from ..sparse import SparseVec
 from .dsar_split_allgather import check_allgather
 from .registry import register
 from .sparcml_common import (
+    phase_label,
     CostSim,
     allgather_concat,
     as_stream,
@@ -45,7 +46,6 @@ from .sparcml_common import (
     pow2_floor,
     ring_allgather_dense,
     unfold, union_model)
-from .ssar_split_allgather import _label
 
 
 def _check_group(G) -> int:
@@ -63,13 +63,13 @@ def early_switch_payload(comm, x, f, numel, dtype, G):
     g, p = divmod(f.vrank, G)
     # Phase 1: sparse split inside the group
     gb = part_bounds(numel, G)
-    with comm.phase(_label(comm, "group-split")):
+    with comm.phase(phase_label(comm, "group-split")):
         acc = direct_split_sum(comm, x, gb, [f.real(g * G + j) for j in range(G)], p, dtype)
     D = densify(acc)
     # Phase 2: dense recursive-halving reduce-scatter across the Q groups (same position p)
     sub = part_bounds(gb[p + 1] - gb[p], Q)          # sub-chunks of part p, local coordinates
     lo, hi = 0, Q                                      # chunk range [lo, hi) this rank still holds
-    with comm.phase(_label(comm, "reduce-scatter")):
+    with comm.phase(phase_label(comm, "reduce-scatter")):
         mask = Q // 2
         while mask >= 1:
             partner = f.real((g ^ mask) * G + p)
@@ -114,7 +114,7 @@ def dsar_early_switch(sv: SparseVec, comm, group_size: int = 8, allgather: str =
 
     D = early_switch_payload(comm, x, f, sv.numel, sv.dtype, G) if f.active else None
     # Phase 3: dense all-gather over all ranks, result in chunk-id order
-    with comm.phase(_label(comm, "allgather")):
+    with comm.phase(phase_label(comm, "allgather")):
         if allgather == "ring":
             return ring_allgather_dense(comm, f, D, bounds, chunk_of, sv.dtype, sv.device)
         if f.active:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from ..sparse import SparseVec
 from .registry import register
 from .sparcml_common import (
+    phase_label,
     cost_setup,
     allgather_concat,
     as_stream,
@@ -37,7 +38,7 @@ from .sparcml_common import (
     part_bounds,
     ring_allgather_dense,
     unfold, union_model)
-from .ssar_split_allgather import _label, split_and_sum, split_phase_cost
+from .ssar_split_allgather import split_and_sum, split_phase_cost
 
 ALLGATHERS = ("ring", "recdbl")
 
@@ -61,10 +62,10 @@ def dsar_split_allgather(sv: SparseVec, comm, allgather: str = "ring", **_):
         bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
         acc = densify(acc)
     if allgather == "ring":
-        with comm.phase(_label(comm, "allgather")):
+        with comm.phase(phase_label(comm, "allgather")):
             return ring_allgather_dense(comm, f, acc, bounds, lambda v: v, sv.dtype, sv.device)
     if f.active:
-        with comm.phase(_label(comm, "allgather")):
+        with comm.phase(phase_label(comm, "allgather")):
             x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype, dense=True)
     return unfold(comm, f, x, sv.numel, sv.dtype)
 

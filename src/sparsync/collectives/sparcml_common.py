@@ -141,6 +141,26 @@ def unfold(comm, f: Fold, result, numel: int, dtype):
         return recv_stream(comm, comm.rank - 1, numel, dtype)
 
 
+def run_folded(sv: SparseVec, comm, body):
+    """``body(x, f) -> payload`` on the power-of-two survivors, wrapped in fold/unfold (§3.5).
+
+    ``x`` is ``sv`` as a stream (dense if that is smaller); one rank returns it unchanged.
+    """
+    x = as_stream(sv)
+    if comm.world_size == 1:
+        return x
+    f, x = fold(comm, x, sv.numel, sv.dtype)
+    if f.active:
+        x = body(x, f)
+    return unfold(comm, f, x, sv.numel, sv.dtype)
+
+
+def phase_label(comm, name: str) -> str:
+    """``name`` nested under the current ledger phase (e.g. ``ssar_split_allgather/allgather``)."""
+    lab = comm.ledger.label
+    return f"{lab}/{name}" if lab and lab != "default" else name
+
+
 def _sub(comm, name: str) -> str:
     lab = comm.ledger.label
     return f"{lab}/{name}" if lab and lab != "default" else name

@@ -32,12 +32,10 @@ from __future__ import annotations
 from ..sparse import SparseVec, add
 from .registry import register
 from .sparcml_common import (
+    run_folded,
     cost_setup,
-    as_stream,
     exchange_stream,
     expected_union,
-    fold,
-    unfold,
 )
 
 
@@ -54,13 +52,7 @@ def rec_dbl_payload(x, comm, f, numel, dtype):
 
 @register("ssar_rec_dbl")
 def ssar_rec_dbl(sv: SparseVec, comm, **_):
-    x = as_stream(sv)
-    if comm.world_size == 1:
-        return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
-    if f.active:
-        x = rec_dbl_payload(x, comm, f, sv.numel, sv.dtype)
-    return unfold(comm, f, x, sv.numel, sv.dtype)
+    return run_folded(sv, comm, lambda x, f: rec_dbl_payload(x, comm, f, sv.numel, sv.dtype))
 
 
 def rec_dbl_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random"):

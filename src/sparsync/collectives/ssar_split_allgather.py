@@ -30,15 +30,14 @@ from __future__ import annotations
 from ..sparse import SparseVec
 from .registry import register
 from .sparcml_common import (
+    run_folded,
+    phase_label,
     cost_setup,
     allgather_concat,
-    as_stream,
     direct_split_sum,
     expected_union,
-    fold,
     num,
     part_bounds,
-    unfold,
 )
 
 
@@ -46,27 +45,19 @@ def split_and_sum(comm, x, f, numel, dtype):
     """Split phase over all ``P'`` survivors; returns (bounds, owned summed part)."""
     bounds = part_bounds(numel, f.Pp)
     peers = [f.real(v) for v in range(f.Pp)]
-    with comm.phase(_label(comm, "split")):
+    with comm.phase(phase_label(comm, "split")):
         acc = direct_split_sum(comm, x, bounds, peers, f.vrank, dtype)
     return bounds, acc
 
 
-def _label(comm, name):
-    lab = comm.ledger.label
-    return f"{lab}/{name}" if lab and lab != "default" else name
-
-
 @register("ssar_split_allgather")
 def ssar_split_allgather(sv: SparseVec, comm, **_):
-    x = as_stream(sv)
-    if comm.world_size == 1:
-        return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
-    if f.active:
+    def body(x, f):
         bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
-        with comm.phase(_label(comm, "allgather")):
-            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype)
-    return unfold(comm, f, x, sv.numel, sv.dtype)
+        with comm.phase(phase_label(comm, "allgather")):
+            return allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype)
+
+    return run_folded(sv, comm, body)
 
 
 def split_phase_cost(sim, P, n, k, union):
