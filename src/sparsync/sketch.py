@@ -115,6 +115,23 @@ class CountSketch:
         self._table_n: int | None = None
         self._hb = self._hs = None
 
+    @classmethod
+    def from_tables(cls, buckets: torch.Tensor, signs: torch.Tensor, columns: int) -> "CountSketch":
+        """A sketch with given hash tables ``buckets[j, i] = h_j(i)`` and ``signs[j, i] = s_j(i)``.
+
+        For injecting known hash functions (``spec/worked-examples.md`` §7 checks every cell and median
+        of a hand-computed sketch); indices ``>= buckets.shape[1]`` raise ``IndexError``.
+        """
+        buckets, signs = torch.as_tensor(buckets), torch.as_tensor(signs)
+        if buckets.dim() != 2 or signs.shape != buckets.shape:
+            raise ValueError(f"hash tables must be 2-D of equal shape, got {tuple(buckets.shape)} and "
+                             f"{tuple(signs.shape)}")
+        sk = cls(buckets.shape[0], columns)
+        if int(buckets.min()) < 0 or int(buckets.max()) >= sk.columns or not bool((signs.abs() == 1).all()):
+            raise ValueError(f"buckets must lie in [0, {sk.columns}) and signs in {{-1, +1}}")
+        sk._hb, sk._hs, sk._table_n = buckets.to(torch.int32), signs.to(torch.int8), buckets.shape[1]
+        return sk
+
     @property
     def size(self) -> int:
         """Number of cells ``rows * columns``."""

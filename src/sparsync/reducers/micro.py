@@ -103,6 +103,7 @@ from ..select.threshold import (
     initial_threshold,
     keep_largest,
     local_histogram,
+    owned_partition,
     partition_bounds,
     partition_owner,
     partitioned_threshold_select,
@@ -221,7 +222,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         """Every rank's transmitted count from its count above the chosen threshold (cap, force)."""
         P, out = self.comm.world_size, []
         for r, c in enumerate(passed):
-            s, e = self._bounds[(step % P + r) % P]
+            s, e = self._bounds[owned_partition(r, step, P)]
             cap = self._cap(e - s)
             c = int(c) if cap is None else min(int(c), cap)
             if self.force_nonempty and c == 0 and e > s:
@@ -257,7 +258,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if self._bounds is None or self.controller is None:
             self._setup()
         comm, P, step = self.comm, self.comm.world_size, self.step
-        part = (step % P + comm.rank) % P
+        part = owned_partition(comm.rank, step, P)
         start, end = self._bounds[part]
         cap = self._cap(end - start)
         center = self.controller.delta

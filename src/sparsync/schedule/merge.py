@@ -165,28 +165,40 @@ def plan_mgwfbp(t_b, sizes, a: float, b: float) -> Groups:
     return groups
 
 
-def plan_optimal(t_b, sizes, a: float, b: float) -> Groups:
-    """Exact minimum of the predicted iteration time over all contiguous groupings (spec §4.1).
+def optimal_table(t_b, sizes, a: float, b: float) -> tuple[list[float], list[list[tuple[int, float, float]]]]:
+    """The DP of :func:`plan_optimal` with every option: ``(F, options)``.
 
     ``F[j]`` = earliest finish of the first ``j`` tensors' messages when a group ends at ``j-1``;
-    ``F[j] = min_{i<j} max(F[i], C[j-1]) + a + b*(P[j] - P[i])`` with prefix sums ``P``. A group's
-    start is monotone in the previous finish, so keeping the minimum per boundary is exact. Ties
-    go to the largest ``i`` (deterministic, so every rank computes the same plan).
+    ``options[j]`` = ``[(i, units, finish), ...]`` for every ``i < j`` (group = tensors ``i..j-1``),
+    ``F[j] = min_i finish`` (``spec/worked-examples.md`` §5.2 prints this table).
     """
     t_b, sizes = _arrays(t_b, sizes)
     L = len(t_b)
     ready = np.cumsum(t_b)
     pref = np.concatenate([[0.0], np.cumsum(sizes)])
     F = np.zeros(L + 1)
-    arg = np.zeros(L + 1, dtype=np.int64)
+    options: list[list[tuple[int, float, float]]] = [[]]
     for j in range(1, L + 1):
-        cand = np.maximum(F[:j], ready[j - 1]) + a + b * (pref[j] - pref[:j])
-        i = int(j - 1 - np.argmin(cand[::-1]))  # last index attaining the minimum
-        F[j] = cand[i]
-        arg[j] = i
-    groups, j = [], L
+        units = pref[j] - pref[:j]
+        cand = np.maximum(F[:j], ready[j - 1]) + a + b * units
+        F[j] = cand.min()
+        options.append([(i, float(units[i]), float(cand[i])) for i in range(j)])
+    return F.tolist(), options
+
+
+def plan_optimal(t_b, sizes, a: float, b: float) -> Groups:
+    """Exact minimum of the predicted iteration time over all contiguous groupings (spec §4.1).
+
+    ``F[j] = min_{i<j} max(F[i], C[j-1]) + a + b*(P[j] - P[i])`` with prefix sums ``P``
+    (:func:`optimal_table`). A group's start is monotone in the previous finish, so keeping the
+    minimum per boundary is exact. Ties go to the largest ``i`` (deterministic, so every rank
+    computes the same plan).
+    """
+    _, options = optimal_table(t_b, sizes, a, b)
+    groups, j = [], len(options) - 1
     while j > 0:
-        i = int(arg[j])
+        cand = [fin for _, _, fin in options[j]]
+        i = max(range(j), key=lambda x: (-cand[x], x))  # last index attaining the minimum
         groups.append((i, j))
         j = i
     return groups[::-1]
