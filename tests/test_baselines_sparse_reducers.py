@@ -65,18 +65,20 @@ def test_table1_bounds(P):
     pred = OkTopkReducer.predicted_cost(P, n, k)
     for rounds, nbytes, _ in ss.run_local(_ledger, P, "oktopk", n, density,
                                           phases=["oktopk:reduce-scatter", "oktopk:allgather"]):
-        assert rounds == 2 * (P - 1) <= pred["rounds"]
+        assert rounds == 2 * (P - 1) == pred["rounds"]
         assert _within(nbytes, pred["bytes_received"]), (nbytes, pred)
+        lo, hi = OkTopkReducer.table_cost(P, k)["units"]  # Table I (paper), in bytes of 4-byte units
+        assert 4 * lo - 1e-9 <= nbytes <= 4 * hi, (nbytes, lo, hi)
     # TopkA (foundation): 2(P-1)k units + one 8-byte stream count per gathered item
     for _rounds, nbytes, _ in ss.run_local(_ledger, P, "topka", n, density):
         assert nbytes == (P - 1) * (8 + 8 * k) and (nbytes - 8 * (P - 1)) / 4 == 2 * (P - 1) * k
     if P & (P - 1) == 0:
         pred = GTopkReducer.predicted_cost(P, n, k)
         res = ss.run_local(_ledger, P, "gtopk", n, density)
-        for rounds, nbytes, _ in res:
+        for rounds, _nbytes, _ in res:
             assert rounds <= pred["rounds"] == 2 * math.log2(P)
-            assert nbytes <= pred["bytes_received"] == 4 * math.log2(P) * k * 4
-        assert res[0][1] == math.log2(P) * k * 8  # the root receives log2 P lists of k pairs
+        assert res[0][1] == pred["bytes_received"] == math.log2(P) * k * 8  # root: log2 P lists of k pairs
+        assert GTopkReducer.table_cost(P, k)["units"] == 4 * math.log2(P) * k  # Table I, critical path
 
 
 def _make(comm, name, **opts):

@@ -99,3 +99,30 @@ def test_cli_train_linear(capsys):
     assert "epoch" in out and "comm s" in out and "auto:" in out
     assert len([ln for ln in out.splitlines() if ln.strip().startswith(("1 ", "2 "))]) == 2
     assert main(["train-linear", "--algorithm", "nope", "--backend", "thread"]) == 2
+
+
+def test_linear_regression_gradient_training_and_real_targets(data, tmp_path):
+    """Squared loss: gradient ``sum (w.x - y) x`` against a dense reference; SGD lowers the loss and
+    gives the same weights on 1 and 4 workers; an svmlight file with real targets loads as regression."""
+    tr, te = data
+    w = torch.randn(tr.n_features, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 0.1
+    rows = torch.arange(7)
+    X = torch.zeros(7, tr.n_features, dtype=torch.float64)
+    for i in range(7):
+        X[i, tr.indices[tr.indptr[i]:tr.indptr[i + 1]]] = tr.values[tr.indptr[i]:tr.indptr[i + 1]].double()
+    y = tr.labels[:7].double()
+    g = batch_gradient("linreg", tr.to(torch.float64), rows, w)
+    assert torch.allclose(g.to_dense(), ((X @ w - y)[:, None] * X).sum(0), atol=1e-12)
+    r1 = ss.run_local(_train, 1, tr, te, "linreg", "auto", torch.float64)[0]
+    r4 = ss.run_local(_train, 4, tr, te, "linreg", "ssar_split_allgather", torch.float64)[0]
+    assert torch.allclose(r1["w"], r4["w"], rtol=1e-9, atol=1e-11)
+    h = r4["history"]
+    assert h[-1]["loss"] < h[0]["loss"] and h[-1]["test_acc"] > 0.6
+    f = tmp_path / "reg.svm"
+    f.write_text("0.5 1:1 3:2\n-1.25 2:1\n3 1:0.5\n")
+    from sparsync.linear import load_svmlight
+
+    ds = load_svmlight(f, regression=True)
+    assert ds.labels.tolist() == [0.5, -1.25, 3.0]
+    with pytest.raises(Exception, match="third class"):
+        load_svmlight(f)

@@ -1,4 +1,5 @@
-"""``sparsync train-linear``: data-parallel SGD for logistic regression / linear SVM on sparse data.
+"""``sparsync train-linear``: data-parallel SGD for logistic regression / linear SVM / linear
+regression on sparse data.
 
 SparCML's MPI-SGD (``spec/sparcml.md`` §8): each step's gradient is naturally sparse (only the
 features present in the batch) and is summed losslessly by a sparse all-reduce. Prints loss and
@@ -17,10 +18,12 @@ import time
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
-        "train-linear", help="SGD for sparse linear models (logreg/svm) with a sparse all-reduce",
+        "train-linear", help="SGD for sparse linear models (logreg/svm/linreg) with a sparse all-reduce",
         description=__doc__.split("\n\n")[1], formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
     p.add_argument("--data", default="synthetic", help="svmlight/libsvm FILE, or 'synthetic' (default)")
-    p.add_argument("--model", choices=("logreg", "svm"), default="logreg")
+    p.add_argument("--model", choices=("logreg", "svm", "linreg"), default="logreg",
+                   help="logistic regression, linear SVM, or linear regression (squared loss; a FILE's "
+                        "labels are then real-valued targets)")
     p.add_argument("--workers", type=int, default=4, help="number of ranks P (default 4)")
     p.add_argument("--algorithm", default="auto",
                    help="sparse all-reduce (auto, ssar_rec_dbl, ssar_split_allgather, dsar_split_allgather, "
@@ -73,7 +76,8 @@ def run(args) -> int:
         if args.data == "synthetic":
             ds = make_synthetic(args.samples, args.features, args.nnz, seed=args.seed)
         else:
-            ds = load_svmlight(args.data, n_features=args.n_features, zero_based=args.zero_based)
+            ds = load_svmlight(args.data, n_features=args.n_features, zero_based=args.zero_based,
+                               regression=args.model == "linreg")
     except (SvmlightError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -9,7 +9,8 @@ svmlight/libsvm format, one sample per line::
 * blank lines and lines holding only a comment are skipped; every other line must parse, otherwise
   :class:`SvmlightError` names the file and line number (a line is never silently dropped);
 * an index beyond the declared dimension (``n_features``) is an error with the line number;
-* labels must take exactly two distinct values (e.g. {0, 1}, {-1, +1}, {1, 2}); the smaller maps to
+* labels (classification; ``regression=True`` keeps real targets) must take exactly two distinct
+  values (e.g. {0, 1}, {-1, +1}, {1, 2}); the smaller maps to
   -1 and the larger to +1. A third value is reported at the line where it first appears; a file with
   a single class or no samples at all is an error too.
 
@@ -86,8 +87,11 @@ class SparseDataset:
 
 # ---------------------------------------------------------------------- svmlight
 def load_svmlight(path, n_features: int | None = None, zero_based: bool = False,
-                  dtype=torch.float32) -> SparseDataset:
-    """Read an svmlight/libsvm file (see the module docstring for the rules and errors)."""
+                  dtype=torch.float32, regression: bool = False) -> SparseDataset:
+    """Read an svmlight/libsvm file (see the module docstring for the rules and errors).
+
+    ``regression=True``: keep the labels as real-valued targets (any number of distinct values; for
+    linear regression) instead of mapping two classes to {-1, +1}."""
     name = os.fspath(path) if not hasattr(path, "read") else getattr(path, "name", "<stream>")
     if n_features is not None and int(n_features) < 1:
         raise ValueError(f"n_features must be >= 1, got {n_features}")
@@ -115,7 +119,7 @@ def load_svmlight(path, n_features: int | None = None, zero_based: bool = False,
                 raise err(lineno, f"label {toks[0]!r} is not a number") from None
             if not math.isfinite(label):
                 raise err(lineno, f"label {toks[0]!r} is not finite")
-            if label not in classes:
+            if not regression and label not in classes:
                 if len(classes) == 2:
                     seen = ", ".join(f"{c:g}" for c in sorted(classes))
                     raise err(lineno, f"third class label {label:g} (already seen {seen}); "
@@ -155,12 +159,13 @@ def load_svmlight(path, n_features: int | None = None, zero_based: bool = False,
             fh.close()
     if not raw_labels:
         raise SvmlightError(f"{name}: no samples (empty file or only comments/blank lines)")
-    if len(classes) != 2:
+    if not regression and len(classes) != 2:
         raise SvmlightError(f"{name}: all samples have label {next(iter(classes)):g}; "
                             "binary classification needs two label values")
-    lo = min(classes)
     labels = torch.tensor(raw_labels, dtype=torch.float64)
-    labels = torch.where(labels == lo, -1.0, 1.0).to(dtype)
+    if not regression:
+        labels = torch.where(labels == min(classes), -1.0, 1.0)
+    labels = labels.to(dtype)
     nf = int(n_features) if n_features is not None else max(max_col + 1, 1)
     return SparseDataset(torch.tensor(indptr, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64),
                          torch.tensor(vals, dtype=dtype), labels, nf)

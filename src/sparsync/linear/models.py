@@ -1,8 +1,14 @@
-"""Logistic regression and linear SVM on CSR batches (``spec/sparcml.md`` §8), labels in {-1, +1}.
+"""Logistic regression, linear SVM and linear regression on CSR batches (``spec/sparcml.md`` §8).
+
+The thesis' MPI-SGD lists the three linear models. Classification labels are in {-1, +1}; linear
+regression takes any real targets (svmlight files loaded with ``regression=True``) and on {-1, +1}
+labels is the least-squares classifier.
 
 * logreg: ``f(w) = ln(1 + exp(-y w.x))``, ``grad = -y x / (1 + exp(y w.x))``, predict ``sign(w.x)``
   (= ``sigmoid(w.x) >= 1/2``).
 * svm (hinge): ``f(w) = max(0, 1 - y w.x)``, subgradient ``-y x`` where ``y w.x < 1``, else 0.
+* linreg (squared loss): ``f(w) = (w.x - y)^2 / 2``, ``grad = (w.x - y) x``; "correct" in
+  :func:`evaluate` counts ``sign(w.x) == sign(y)`` (meaningful for {-1, +1} targets).
 
 :func:`batch_gradient` returns the *sum* over the batch as a :class:`~sparsync.sparse.SparseVec`
 whose support is the union of the features of the contributing samples (natural sparsity; for the
@@ -19,7 +25,7 @@ from .data import SparseDataset
 
 __all__ = ["MODELS", "batch_gradient", "evaluate", "loss_and_coef", "margins"]
 
-MODELS = ("logreg", "svm")
+MODELS = ("logreg", "svm", "linreg")
 
 
 def margins(ds: SparseDataset, rows: torch.Tensor, w: torch.Tensor):
@@ -35,6 +41,9 @@ def loss_and_coef(model: str, m: torch.Tensor, y: torch.Tensor):
         return F.softplus(-ym), -y * torch.sigmoid(-ym)
     if model == "svm":
         return torch.clamp(1.0 - ym, min=0.0), torch.where(ym < 1.0, -y, torch.zeros_like(y))
+    if model == "linreg":
+        r = m - y
+        return 0.5 * r * r, r
     raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
 
 

@@ -5,8 +5,9 @@ Power-of-two ``P`` only (a clear ``ValueError`` otherwise). Per step: exact loca
 ``r`` with ``r mod 2^(i+1) = 2^i`` sends its ``k`` pairs to ``r - 2^i``, which sums (lower rank first)
 and re-selects the top-``k`` (ties -> smaller index); then rank 0 broadcasts the final ``k`` pairs
 (binomial tree, ``ceil(log2 P)`` rounds). Every message has exactly ``k`` pairs (zero-value padding),
-so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units (Table I); per rank the
-ledger shows at most that (rank 0 receives ``log2 P * k`` pairs in the reduction).
+so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units (Table I,
+:meth:`GTopkReducer.table_cost`); per rank the ledger shows half of that at most: rank 0 receives
+``log2 P * k`` pairs in the reduction (:meth:`GTopkReducer.predicted_cost`, exact).
 
 Residuals: ``residuals="partial"`` (default, the gTop-k paper's rule): local residual plus the locally
 selected values whose index is not in the global top-k set (end-procedure); values dropped at a merge
@@ -88,7 +89,15 @@ class GTopkReducer(Reducer):
 
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
-        """Table I (critical path): ``2 log2 P`` rounds, ``4 log2 P k`` units (a pair = 2 units)."""
+        """What this code's ledger shows, maximum over ranks: ``2 log2 P`` rounds; rank 0 receives the
+        most, ``log2 P`` lists of ``k`` pairs in the reduction (the others ``tz(r) + 1`` lists, ``tz`` =
+        trailing zero bits of ``r``, the ``+1`` being the broadcast). The paper's Table I figure
+        (critical path ``4 log2 P k`` units) is :meth:`table_cost`."""
         lg = (P - 1).bit_length()
-        u = (index_bytes + value_bytes) / 2
-        return {"rounds": 2 * lg, "bytes_received": 4 * lg * k * u}
+        return {"rounds": 2 * lg, "bytes_received": lg * k * (index_bytes + value_bytes)}
+
+    @staticmethod
+    def table_cost(P, k):
+        """Table I: ``2 log2 P`` rounds and ``4 log2 P k`` units (a COO pair = 2 units) on the critical path."""
+        lg = (P - 1).bit_length()
+        return {"rounds": 2 * lg, "units": 4 * lg * k}

@@ -153,8 +153,22 @@ class OkTopkReducer(Reducer):
         self.th_local, self.th_global, self.bounds = s.get("th_local"), s.get("th_global"), s.get("bounds")
 
     @classmethod
-    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
-        """Table I: ``2(P + log2 P)`` rounds (we use ``2(P-1)`` in steady state), ``[2,6](P-1)/P k`` units."""
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, **_):
+        """This code's ledger on a steady-state step (no threshold re-evaluation, no re-balancing),
+        maximum over ranks: ``2(P-1)`` rounds (``alltoallv`` + ring ``allgatherv``); bytes depend on
+        where the selected indices fall, so they are bounds, from the per-rank selected ``counts``
+        (default ``k`` each): the ``alltoallv`` brings at most every other rank's selection
+        (``sum - min``), the ``allgatherv`` at most ``P-1`` region lists of at most ``sum`` entries.
+        Re-evaluation steps add two small all-reduces, balancing steps one. The paper's Table I
+        figures are :meth:`table_cost`."""
+        if P <= 1:
+            return {"rounds": 0, "bytes_received": 0}
+        c = [k] * P if counts is None else [int(x) for x in counts]
+        pb = index_bytes + value_bytes
+        return {"rounds": 2 * (P - 1), "bytes_received": (0, (sum(c) - min(c) + (P - 1) * sum(c)) * pb)}
+
+    @staticmethod
+    def table_cost(P, k):
+        """Table I: ``2(P + log2 P)`` rounds, ``[2, 6](P-1)/P k`` units (a COO pair = 2 units)."""
         lg = (P - 1).bit_length()
-        u = (index_bytes + value_bytes) / 2
-        return {"rounds": 2 * (P + lg), "bytes_received": (2 * (P - 1) / P * k * u, 6 * (P - 1) / P * k * u)}
+        return {"rounds": 2 * (P + lg), "units": (2 * (P - 1) / P * k, 6 * (P - 1) / P * k)}
