@@ -175,6 +175,14 @@ def drifting_stream(comm, steps: int, numel: int = 100_000, decades: float = 2.0
         yield t, 1.0, g
 
 
+def first_kth_threshold(comm, g: torch.Tensor, density: float) -> float:
+    """A sensible start for a threshold rule: the exact ``k``-th largest ``|g|`` of the first gradient
+    (``k = density * n``), averaged over ranks so every rank starts from the same threshold."""
+    k = max(1, round(density * g.numel()))
+    kth = torch.topk(g.abs().flatten(), k, sorted=False).values.min().reshape(1).double()
+    return float(comm.allreduce(kth)[0]) / comm.world_size
+
+
 def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, density: float = 0.01,
                   scale_by_lr: bool = True, options: dict | None = None, stream: str = "mlp",
                   **stream_kw) -> dict:
@@ -182,9 +190,10 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
 
     ``stream``: ``"mlp"`` (:func:`mlp_gradient_stream`) or ``"drift"`` (:func:`drifting_stream`).
     ``reducers``: names, or ``(label, name, options)`` tuples for several variants of one reducer;
-    ``options`` maps reducer name -> extra options (for plain names). Returns ``{name: {"density": [...],
-    "threshold": [...], "selected": [...]}}`` plus ``"numel"``. With ``scale_by_lr`` the reducers
-    get ``lr * grad`` (the paper's accumulator ``e + eta G``, ``spec/micro.md`` §4).
+    ``options`` maps reducer name -> extra options (for plain names); the option
+    ``threshold="first_kth"`` starts a threshold reducer from :func:`first_kth_threshold`. Returns
+    ``{name: {"density": [...], "threshold": [...], "selected": [...]}}`` plus ``"numel"``. With
+    ``scale_by_lr`` the reducers get ``lr * grad`` (the paper's accumulator ``e + eta G``, ``spec/micro.md`` §4).
     """
     from ..reducers import make_reducer
 
@@ -192,15 +201,18 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
     if stream not in streams:
         raise ValueError(f"unknown stream {stream!r}; valid: {', '.join(streams)}")
     options = options or {}
+    specs = [(item, item, options.get(item, {})) if isinstance(item, str) else item for item in reducers]
     rs = {}
-    for item in reducers:  # a name, or (label, name, options)
-        label, name, opts = (item, item, options.get(item, {})) if isinstance(item, str) else item
-        rs[label] = make_reducer(name, comm, density=density, **opts)
-    trace = {label: {"density": [], "threshold": [], "selected": []} for label in rs}
+    trace = {label: {"density": [], "threshold": [], "selected": []} for label, _, _ in specs}
     numel = None
     for _t, lr, g in streams[stream](comm, steps, **stream_kw):
         numel = g.numel()
         gin = g * lr if scale_by_lr else g
+        if not rs:  # built at the first gradient: threshold="first_kth" needs it
+            for label, name, opts in specs:
+                if opts.get("threshold") == "first_kth":
+                    opts = {**opts, "threshold": first_kth_threshold(comm, gin, density)}
+                rs[label] = make_reducer(name, comm, density=density, **opts)
         for name, red in rs.items():
             red.reduce(gin)
             trace[name]["density"].append(red.stats["density"])

@@ -85,6 +85,8 @@ def _main(args) -> int:
         variants = [("micro (histogram, default)", "micro", {}),
                     ("micro rule=adaptive", "micro", {"rule": "adaptive"}),
                     ("micro rule=micro (authors)", "micro", {"rule": "micro"}),
+                    ("micro rule=micro (authors), from the first k-th value", "micro",
+                     {"rule": "micro", "threshold": "first_kth"}),
                     ("hard_threshold", "hard_threshold", {})]
         res = run_local(lambda c: bs.density_trace(c, reducers=variants, steps=steps, density=args.density), 4)
         tr = res[0]

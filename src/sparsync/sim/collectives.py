@@ -35,6 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..collectives import COSTS, sparse_allreduce
+from ..collectives import load_all as load_collectives
+from ..launch import run_local
+from ..reducers.registry import load_all as load_reducers
+from ..reducers.registry import make_reducer
+from ..sparse import SparseVec, index_dtype_for
+
 __all__ = [
     "Algo",
     "algorithms",
@@ -63,10 +70,8 @@ class Algo:
 
 def algorithms() -> list[Algo]:
     """Every registered algorithm that has a formula (collectives first, then reducers)."""
-    from ..collectives import COSTS, load_all
-    from ..reducers.registry import load_all as load_reducers
 
-    load_all()
+    load_collectives()
     out = [Algo(n, "collective") for n in sorted(COSTS)]
     for name, cls in sorted(load_reducers().items()):
         if cls.predicted_cost(4, 4096, 41) is not None:  # a formula that raises is an error, not "none"
@@ -84,15 +89,13 @@ def predicted(algo: Algo, P: int, n: int, density: float, counts: list[int] | No
     ``counts``: the per-rank selected counts of the step, passed to reducers whose formula takes them
     (threshold selection: the count is data-dependent, the communication given the counts is exact).
     """
-    from ..collectives import COSTS
-    from ..reducers.registry import load_all
-    from ..sparse import index_dtype_for
 
     k = _k(n, density)
     ib = torch.empty(0, dtype=index_dtype_for(n)).element_size()
     if algo.kind == "collective":
+        load_collectives()
         return COSTS[algo.name](P, n, k, value_bytes=4, index_bytes=ib)
-    cls = load_all()[algo.name]
+    cls = load_reducers()[algo.name]
     extra = {}
     if counts is not None and "counts" in inspect.signature(cls.predicted_cost).parameters:
         extra["counts"] = counts
@@ -131,9 +134,6 @@ def _balanced_indices(n: int, k: int, P: int, g: torch.Generator) -> torch.Tenso
 
 
 def _exec_rank(comm, algo: Algo, n: int, density: float, seed: int, steps: int):
-    from ..collectives import sparse_allreduce
-    from ..reducers.registry import make_reducer
-    from ..sparse import SparseVec
 
     g = torch.Generator().manual_seed(seed * 7919 + comm.rank)
     k = _k(n, density)
@@ -166,7 +166,6 @@ def executed(algo: Algo, P: int, n: int, density: float, alpha: float = ALPHA, b
     Ledger values are maxima over ranks; ``counts`` are the per-rank selected counts (reducers) and
     ``ledger_s`` = ``max_r (rounds_r alpha + beta bytes_r)``; ``uniform``: every rank's ledger is the same.
     """
-    from ..launch import run_local
 
     res = run_local(_exec_rank, P, algo, n, density, seed, steps, backend="thread", alpha=alpha, beta=beta,
                     timeout=timeout)

@@ -4,6 +4,7 @@
 
     python -m sparsync.sim.regenerate            # rewrite docs/img/sim_collectives.* and sim_schedule_*.*
     python -m sparsync.sim.regenerate --check    # exit 1 when a committed number differs from the code
+    python -m sparsync.sim.regenerate --rows     # the model numbers quoted in docs/reproduction.md
 
 Why: the figures and the numbers quoted from them (``docs/reproduction.md``, ``docs/simulator.md``)
 went stale when formulas changed. Everything here is deterministic — alpha-beta formulas, the
@@ -92,12 +93,69 @@ def regenerate(img: Path) -> None:
         print(f"wrote {img / f'sim_schedule_{name}.json'}")
 
 
+def _t(name: str, kind: str, P: int, n: int, density: float, alpha: float, beta: float) -> tuple[float, float]:
+    return C.predicted_time(C.predicted(C.Algo(name, kind), P, n, density), alpha, beta)
+
+
+def _ms(t: tuple[float, float]) -> str:
+    lo, hi = (1e3 * x for x in t)
+    return f"{hi:.2f}" if lo == hi else f"{lo:.2f}-{hi:.2f}"
+
+
+def reproduction_rows() -> list[str]:
+    """The model numbers quoted in ``docs/reproduction.md`` (formulas only; deterministic), one line each."""
+    out = []
+    a, b = 10e-6, 0.8e-9  # SparCML row 1: a faster network than ours, as in the thesis' figures
+    for P in (8, 64):
+        cells = [f"{d:g}: rec_dbl {_ms(_t('ssar_rec_dbl', 'collective', P, 1 << 24, d, a, b))} / split "
+                 f"{_ms(_t('ssar_split_allgather', 'collective', P, 1 << 24, d, a, b))} ms"
+                 for d in (1e-5, 1e-4, 1e-3, 1e-2)]
+        out.append(f"sparcml 1, N=2^24, alpha 10us, beta 0.8ns/B, P={P}: " + "; ".join(cells))
+    for P in (8, 64):
+        cells = [f"{d:g}: dsar_split {_ms(_t('dsar_split_allgather', 'collective', P, 1 << 24, d, C.ALPHA, C.BETA))}"
+                 f" / rec_dbl {_ms(_t('ssar_rec_dbl', 'collective', P, 1 << 24, d, C.ALPHA, C.BETA))} ms"
+                 for d in (1e-3, 1e-2, 5e-2, 1e-1)]
+        out.append(f"sparcml 2, N=2^24, P={P}: " + "; ".join(cells))
+    n, d = COLLECTIVES["n"], COLLECTIVES["density"]
+    for P in (16, 128, 256):
+        out.append(f"sparcml 3, n={n}, k=512, P={P}: dsar_early_switch "
+                   f"{_ms(_t('dsar_early_switch', 'collective', P, n, d, C.ALPHA, C.BETA))} vs dsar_split_allgather "
+                   f"{_ms(_t('dsar_split_allgather', 'collective', P, n, d, C.ALPHA, C.BETA))} ms")
+    def ms(name, kind, P, n, d):  # formula time on our default network (alpha 50 us, 1 Gbit/s)
+        return _ms(_t(name, kind, P, n, d, C.ALPHA, C.BETA))
+
+    ratios = [(_t("auto", "collective", P, n, d, C.ALPHA, C.BETA)[1]
+               / _t("dense", "reducer", P, n, 1.0, C.ALPHA, C.BETA)[1], P) for P in COLLECTIVES["pred_ps"]]
+    worst = max(ratios)
+    out.append(f"sparcml 4, n={n}, k=512: auto (upper bound) / dense, worst over P = 2..4096: "
+               f"{worst[0]:.3f} at P={worst[1]}")
+    n14 = 14_700_000
+    out.append(f"spardl 1, n=14.7M, 1%, P=14: spardl {ms('spardl', 'reducer', 14, n14, 0.01)}, "
+               f"TopkA (allgather) {ms('allgather', 'collective', 14, n14, 0.01)}, "
+               f"topkdsa {ms('topkdsa', 'reducer', 14, n14, 0.01)}, "
+               f"oktopk (code's bounds) {ms('oktopk', 'reducer', 14, n14, 0.01)} ms")
+    n16 = 16_800_000
+    out.append("spardl 4, n=16.8M, 1%: " + "; ".join(
+        f"P={P}: spardl {ms('spardl', 'reducer', P, n16, 0.01)}, TopkA {ms('allgather', 'collective', P, n16, 0.01)}, "
+        f"gtopk {ms('gtopk', 'reducer', P, n16, 0.01)}, micro {ms('micro', 'reducer', P, n16, 0.01)} ms"
+        for P in (16, 256, 4096)))
+    n8 = (8 << 20) // 4
+    ag = _t("allgather", "collective", 16, n8, 1.0, C.ALPHA, C.BETA)[1]
+    ar = _t("dense", "reducer", 16, n8, 1.0, C.ALPHA, C.BETA)[1]
+    out.append(f"s2 4, ring P=16, 8 MiB: all-gather {ag:.3f} s vs all-reduce {ar:.3f} s = {ag / ar:.2f}x")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparsync.sim.regenerate", description=__doc__.split("\n")[0])
     ap.add_argument("--img", default="docs/img", help="directory of the committed outputs")
     ap.add_argument("--check", action="store_true", help="compare instead of writing (all executed P)")
+    ap.add_argument("--rows", action="store_true", help="print the model numbers quoted in docs/reproduction.md")
     a = ap.parse_args(argv)
     img = Path(a.img)
+    if a.rows:
+        print("\n".join(reproduction_rows()))
+        return 0
     if a.check:
         bad = check(img, exec_ps=COLLECTIVES["exec_ps"])
         for b in bad:

@@ -31,6 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..schedule.merge import evaluate, make_plan
+from ..schedule.profiler import profile_module
+from ..train.workloads import make_workload
+
 __all__ = [
     "MODELS",
     "PAPER_FIT",
@@ -66,7 +70,6 @@ def allreduce_model(N: int, alpha: float, beta: float, gamma: float = 0.0, algor
 def simulate(profile: dict, workers=None, algorithm: str = "ring", alpha: float | None = None,
              beta: float | None = None, gamma: float = 0.0, strategies=STRATEGIES) -> list[dict]:
     """One row per (N, strategy): iteration time, non-overlapped comm, groups, speed-up."""
-    from ..schedule.merge import evaluate, make_plan
 
     if alpha is None or beta is None:
         a0, b0 = alpha_beta_from_fit()
@@ -132,18 +135,17 @@ class ResNet(nn.Module):
 def _image_model(blocks):
     def make(batch, image):
         m = ResNet(blocks)
-        x = torch.randn(batch, 3, image, image)
-        y = torch.randint(0, 1000, (batch,))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, 3, image, image, generator=g)
+        y = torch.randint(0, 1000, (batch,), generator=g)
         return m, lambda: F.cross_entropy(m(x), y)
     return make
 
 
 def _workload_model(name, **opts):
     def make(batch, image=None):
-        from ..train.workloads import make_workload
 
         wl = make_workload(name, **opts)
-        torch.manual_seed(0)
         m = wl.build()
         x, y = wl.batch(0, 0, 1, batch, 0)
         return m, lambda: wl.loss_fn(m(x), y)
@@ -162,15 +164,15 @@ MODELS = {
 def profile_model(name: str, batch: int | None = None, image: int | None = None, steps: int = 5,
                   warmup: int = 2, device: str = "cpu") -> dict:
     """Measure a model's profile with the engine's profiler; returns the JSON-able profile dict."""
-    from ..schedule.profiler import profile_module
 
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(MODELS))}")
     make, d = MODELS[name]
     batch = batch or d["batch"]
     image = image or d.get("image")
-    torch.manual_seed(0)
-    m, loss_fn = make(batch, image)
+    with torch.random.fork_rng(devices=[]):  # module init draws from the global RNG: seed it, then restore
+        torch.manual_seed(0)
+        m, loss_fn = make(batch, image)
     m.to(device)
     params = [p for p in m.parameters() if p.requires_grad]
     t0 = time.perf_counter()
