@@ -6,7 +6,7 @@ import torch
 
 import sparsync as ss
 
-SELECTIONS = ["topk", "bucketed", "approx", "approx_at_most"]
+SELECTIONS = ["topk", "bucketed", "bucketed_topk", "approx", "approx_at_most"]
 ALGOS = ["auto", "ssar_rec_dbl", "ssar_split_allgather", "dsar_split_allgather", "dsar_early_switch"]
 
 
@@ -35,7 +35,7 @@ def test_conserving_and_identical(P):
         assert all(torch.equal(r[2], rows[0][2]) for r in rows), key
         if key[0] == "topk":
             assert all(r[4] == 80 for r in rows)
-        if key[0] == "bucketed":  # 4000 = 7 buckets of 512 + 416, kb = round(0.02*512) = 10
+        if key[0].startswith("bucketed"):  # fixed slots: 4000 = 7 buckets of 512 + 416, kb = round(0.02*512) = 10
             assert all(r[4] == 80 for r in rows)
 
 

@@ -11,6 +11,8 @@ from sparsync.select.approx import (
     approx_topk_at_most,
     approx_topk_probs,
     at_most_probs,
+    bucket_probs,
+    bucketed_sample,
     bucketed_topk,
     make_generator,
 )
@@ -95,3 +97,59 @@ def test_bucketed_topk():
     assert idx.numel() == 8 + 3 and int(idx.max()) < 515
     with pytest.raises(ValueError):
         bucketed_topk(x, 2, 0)
+
+
+def test_bucketed_sample_probabilities_per_bucket():
+    """The thesis' kernel: per bucket, Theorem 2.1's probabilities for kb expected selections."""
+    x = torch.randn(1300, generator=torch.Generator().manual_seed(5), dtype=torch.float64) ** 3
+    x[600:700] = 0.0
+    x[520] = 1e4  # L-inf branch in bucket 1
+    p = bucket_probs(x, 10, 512)
+    assert p.shape == (3, 512) and float(p.min()) >= 0 and float(p.max()) <= 1
+    for b in range(3):
+        lo, hi = b * 512, min(1300, (b + 1) * 512)
+        assert torch.allclose(p[b, : hi - lo], approx_topk_probs(x[lo:hi], 10), atol=1e-12)
+        assert float(p[b, hi - lo:].abs().sum()) == 0.0  # the padding of the short bucket
+    assert torch.allclose(p.sum(1), torch.full((3,), 10.0, dtype=torch.float64))
+
+
+def test_bucketed_sample_fixed_count_pad_and_truncate():
+    x = torch.randn(1300, generator=torch.Generator().manual_seed(2))
+    gen = make_generator(4)
+    counts = []
+    for _ in range(50):
+        idx, vals, real = bucketed_sample(x, 8, 512, generator=gen)
+        assert bool((idx[1:] > idx[:-1]).all()) and int(idx.max()) < 1300
+        assert torch.equal(vals[real], x[idx[real]]) and bool((vals[~real] == 0).all())
+        for b in range(3):
+            lo, hi = b * 512, min(1300, (b + 1) * 512)
+            mine = (idx >= lo) & (idx < hi)
+            assert int(mine.sum()) == 8  # exactly kb pairs per bucket (padded or truncated)
+            counts.append(int((mine & real).sum()))
+    # padding happens (fewer than kb sampled) and truncation happens (more sampled than kb) in this run
+    assert min(counts) < 8 and max(counts) == 8
+    # the same draws by hand: sampled positions in index order, truncated to kb, then padding slots
+    small = torch.randn(40, generator=torch.Generator().manual_seed(3))
+    idx, _, real = bucketed_sample(small, 5, 10, seed=6)
+    sel = torch.rand((4, 10), generator=make_generator(6), dtype=torch.float64) < bucket_probs(small, 5, 10)
+    want, want_real = [], []
+    for b in range(4):
+        picked = [b * 10 + j for j in range(10) if sel[b, j]][:5]
+        pads = [b * 10 + j for j in range(10) if not sel[b, j]][: 5 - len(picked)]
+        want += sorted(picked + pads)
+        want_real += [i in picked for i in sorted(picked + pads)]
+    assert idx.tolist() == want and real.tolist() == want_real
+
+
+def test_bucketed_sample_expected_count_statistical():
+    """Before padding/truncation, the sampled count per bucket has mean kb (sum of Bernoullis)."""
+    x = torch.randn(2048, generator=torch.Generator().manual_seed(9)) ** 3
+    p = bucket_probs(x, 16, 512)
+    var = (p * (1 - p)).sum(1)
+    gen = make_generator(11)
+    tot = torch.zeros(4, dtype=torch.float64)
+    trials = 300
+    for _ in range(trials):
+        sel = torch.rand(p.shape, generator=gen, dtype=p.dtype) < p
+        tot += sel.sum(1)
+    assert bool(((tot / trials - 16).abs() <= 5 * (var / trials).sqrt()).all())

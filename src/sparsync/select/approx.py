@@ -5,9 +5,15 @@ all are vectorised torch ops, device agnostic. Randomised kernels take a ``torch
 ``seed``); ranks that must make the same choice use the same seed, ranks that select independently
 (the ``sparcml`` reducer) use different ones.
 
-* :func:`bucketed_topk` — exact top-``kb`` inside every bucket of ``bucket_size`` (512 in the
-  thesis' CNTK integration) elements: one ``topk`` on a ``(n_buckets, bucket_size)`` view, so each
+* :func:`bucketed_sample` — the thesis' bucketed kernel (``spec/sparcml.md`` §7.3): inside every
+  bucket of ``bucket_size`` (512 in the CNTK integration) elements, keep each entry independently
+  with the L1/L-inf probabilities below computed *per bucket* for ``kb`` expected selections, then
+  pad (zero-valued pairs) or truncate (the first ``kb`` in index order, as the GPU kernel's prefix-sum
+  write offsets do) to exactly ``kb`` pairs per bucket. Vectorised over a ``(n_buckets, bucket_size)``
+  view; a ``real`` mask tells the selected pairs from the padding.
+* :func:`bucketed_topk` — exact top-``kb`` inside every bucket: one ``topk`` on the same view, so each
   bucket has a fixed slot of ``kb`` entries (the ragged last bucket gets ``min(kb, its length)``).
+  Deterministic and keeps each bucket's largest entries (our earlier kernel, kept as an option).
 * :func:`approx_topk_probs` — probabilities of Theorem 2.1 (``spec/sparcml.md`` §7.2)::
 
       p_i = k |v_i| / ||v||_1                         if ||v||_inf <= ||v||_1 / k
@@ -32,6 +38,7 @@ __all__ = [
     "approx_topk_at_most",
     "approx_topk_probs",
     "at_most_probs",
+    "bucketed_sample",
     "bucketed_topk",
     "make_generator",
     "topk_abs",
@@ -74,6 +81,71 @@ def bucketed_topk(x: torch.Tensor, kb: int, bucket_size: int = 512) -> tuple[tor
     if pad:
         idx = idx[idx < n]
     return idx, x[idx]
+
+
+def _bucket_view(x: torch.Tensor, bucket_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(|x|`` as ``(n_buckets, bucket_size)`` zero-padded, per-bucket lengths)."""
+    n = x.numel()
+    nb = -(-n // bucket_size)
+    a = torch.zeros(nb * bucket_size, dtype=x.dtype, device=x.device)
+    a[:n] = x.abs()
+    lengths = torch.full((nb,), bucket_size, dtype=torch.int64, device=x.device)
+    lengths[-1] = n - (nb - 1) * bucket_size
+    return a.view(nb, bucket_size), lengths
+
+
+def bucket_probs(x: torch.Tensor, kb: int, bucket_size: int = 512) -> torch.Tensor:
+    """Per-bucket L1/L-inf probabilities ``(n_buckets, bucket_size)`` (0 on the padding of the last one).
+
+    Bucket ``b`` of length ``m`` gets :func:`approx_topk_probs` of its entries with ``k = min(kb, m)``:
+    ``sum = min(kb, m)``, ``0 <= p <= 1``; an all-zero bucket gets the uniform ``k/m``."""
+    a, m = _bucket_view(x, bucket_size)
+    a = a.double()
+    k = torch.clamp(m, max=kb).double().unsqueeze(1)
+    mm = m.double().unsqueeze(1)
+    valid = torch.arange(bucket_size, device=x.device).unsqueeze(0) < m.unsqueeze(1)
+    l1 = a.sum(1, keepdim=True)
+    linf = a.amax(1, keepdim=True)
+    eps = torch.where(mm > k, (k * linf - l1) / (mm - k).clamp(min=1), torch.zeros_like(l1)).clamp(min=0)
+    p = torch.where(linf * k <= l1, a * k / l1.clamp(min=1e-300), (a + eps) * k / (l1 + mm * eps).clamp(min=1e-300))
+    p = torch.where(l1 == 0, k / mm, p)
+    p = torch.where(k >= mm, torch.ones_like(p), p)
+    return torch.where(valid, p.clamp(0.0, 1.0), torch.zeros_like(p))
+
+
+def bucketed_sample(x: torch.Tensor, kb: int, bucket_size: int = 512, generator: torch.Generator | None = None,
+                    seed: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thesis' bucketed selection: sample by :func:`bucket_probs`, then pad/truncate to ``kb`` per bucket.
+
+    Returns ``(indices, values, real)``: exactly ``min(kb, length)`` pairs per bucket, indices sorted;
+    ``real`` marks sampled pairs (``values = x[indices]``); padding pairs sit at unsampled positions of
+    their bucket with value 0 (so a sum is unchanged, and error feedback must keep ``x`` there).
+    """
+    kb = _check(x, kb, "bucketed_sample")
+    if bucket_size < 1:
+        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+    n = x.numel()
+    kb = min(kb, bucket_size)
+    if kb == 0 or n == 0:
+        e = torch.empty(0, dtype=torch.int64, device=x.device)
+        return e, x.new_empty(0), torch.empty(0, dtype=torch.bool, device=x.device)
+    if generator is None:
+        generator = make_generator(seed, x.device)
+    p = bucket_probs(x, kb, bucket_size)
+    nb = p.shape[0]
+    sel = torch.rand(p.shape, generator=generator, dtype=p.dtype, device=x.device) < p
+    pos = torch.arange(bucket_size, device=x.device).expand(nb, bucket_size)
+    # sampled entries first (in index order: truncation keeps the first kb), then the padding slots
+    order = torch.sort(torch.where(sel, pos, pos + bucket_size), dim=1).indices[:, :kb]
+    real = sel.gather(1, order)
+    idx = (order + torch.arange(nb, device=x.device).unsqueeze(1) * bucket_size).reshape(-1)
+    real = real.reshape(-1)
+    keep = idx < n  # a short last bucket has fewer slots
+    idx, real = idx[keep], real[keep]
+    idx, perm = torch.sort(idx)
+    real = real[perm]
+    vals = torch.where(real, x[idx], torch.zeros((), dtype=x.dtype, device=x.device))
+    return idx, vals, real
 
 
 def approx_topk_probs(x: torch.Tensor, k: int) -> torch.Tensor:
