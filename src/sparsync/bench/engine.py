@@ -28,6 +28,8 @@ import time
 import torch
 from torch import nn
 
+from ..train.workloads import make_workload, workload_names
+
 __all__ = ["MODELS", "build", "main", "run_benchmark"]
 
 
@@ -61,8 +63,6 @@ def _tower(batch_size):
 
 def _workload(name):
     def make(batch_size):
-        from ..train.workloads import make_workload
-
         wl = make_workload(name)
         model = wl.build()
 
@@ -75,14 +75,9 @@ def _workload(name):
 
 
 MODELS = {"tower": _tower}
-try:  # the training workloads, when that package is present
-    from ..train.workloads import workload_names as _wn
-
-    for _n in _wn():
-        if _n in ("digits-mlp", "digits-cnn"):
-            MODELS[_n] = _workload(_n)
-except Exception:  # noqa: BLE001, S110 - optional
-    pass
+for _n in workload_names():
+    if _n in ("digits-mlp", "digits-cnn"):
+        MODELS[_n] = _workload(_n)
 
 
 def build(name: str, batch_size: int = 64, seed: int = 0):

@@ -12,6 +12,8 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 
+from ..tables import format_table
+
 __all__ = ["fmt_bytes", "fmt_ms", "fmt_num", "fmt_speedup", "format_table", "write_csv"]
 
 
@@ -45,24 +47,6 @@ def fmt_bytes(n) -> str:
 
 def fmt_speedup(x) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}x"
-
-
-def format_table(rows: Sequence[dict], columns: Sequence[tuple[str, str]], markdown: bool = False) -> str:
-    """Rows (dicts of already formatted or plain values) as an aligned text or Markdown table.
-
-    ``columns`` is ``[(key, header), ...]``; missing keys print as ``-``.
-    """
-    head = [h for _, h in columns]
-    body = [[str(r.get(k, "-")) if r.get(k) is not None else "-" for k, _ in columns] for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    out = [fmt.format(*head), "  ".join("-" * w for w in widths)]
-    out += [fmt.format(*b) for b in body]
-    return "\n".join(out)
 
 
 def write_csv(path: str, rows: Iterable[dict], fieldnames: Sequence[str] | None = None) -> None:

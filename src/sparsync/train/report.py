@@ -22,6 +22,8 @@ import json
 import math
 from pathlib import Path
 
+from ..tables import format_table as _format_table
+
 __all__ = ["format_table", "table_rows", "write_report"]
 
 
@@ -65,15 +67,8 @@ _COLS = [("config", "configuration"), ("step_ms", "step ms"), ("compute_ms", "co
 
 
 def format_table(rows: list[dict], markdown: bool = True) -> str:
-    heads = [h for _, h in _COLS]
-    body = [[str(r[k]) for k, _ in _COLS] for r in rows]
-    if markdown:
-        lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
-        lines += ["| " + " | ".join(b) + " |" for b in body]
-        return "\n".join(lines)
-    w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(heads)]
-    fmt = lambda cells: "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(cells))
-    return "\n".join([fmt(heads), fmt(["-" * x for x in w])] + [fmt(b) for b in body])
+    """The comparison table (columns :data:`_COLS`), Markdown or aligned text."""
+    return _format_table(rows, _COLS, markdown=markdown, first_left=True)
 
 
 def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, notes: list[str] | None = None) -> Path:

@@ -29,6 +29,7 @@ import collections
 import hashlib
 import math
 import os
+import pickle
 import re
 import sysconfig
 from collections.abc import Callable
@@ -215,8 +216,8 @@ def _lm_tokens(vocab: int, max_tokens: int) -> torch.Tensor:
     if tpath.exists():
         try:
             return torch.load(tpath)
-        except Exception:  # noqa: BLE001, S110 - a broken cache file is rebuilt below
-            pass
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # a broken cache: rebuilt below
+            tpath.unlink(missing_ok=True)
     counts = collections.Counter(words)
     top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: vocab - 1]
     ids = {w: i + 1 for i, (w, _) in enumerate(top)}
