@@ -86,6 +86,38 @@ class SparseDataset:
 
 
 # ---------------------------------------------------------------------- svmlight
+def _parse_features(toks, base: int, n_features, zero_based: bool, cols, vals, err) -> int:
+    """Append one line's ``index:value`` tokens to ``cols``/``vals``; returns the last column (or -1).
+
+    ``err(msg)`` builds the exception for this line (the rules are in the module docstring)."""
+    prev = -1
+    for tok in toks:
+        key, sep, val = tok.partition(":")
+        if not sep:
+            raise err(f"feature {tok!r} is not of the form index:value")
+        if key == "qid":
+            continue
+        try:
+            idx = int(key)
+            v = float(val)
+        except ValueError:
+            raise err(f"feature {tok!r} is not of the form index:value") from None
+        col = idx - base
+        if col < 0:
+            raise err(f"feature index {idx} is below {base} ({'0' if zero_based else '1'}-based indices)")
+        if n_features is not None and col >= n_features:
+            raise err(f"feature index {idx} is beyond the declared dimension {n_features}")
+        if col <= prev:
+            raise err(f"feature index {idx} is not larger than the previous one "
+                      "(indices must be strictly increasing)")
+        if not math.isfinite(v):
+            raise err(f"feature value {val!r} is not finite")
+        prev = col
+        cols.append(col)
+        vals.append(v)
+    return prev
+
+
 def load_svmlight(path, n_features: int | None = None, zero_based: bool = False,
                   dtype=torch.float32, regression: bool = False) -> SparseDataset:
     """Read an svmlight/libsvm file (see the module docstring for the rules and errors).
@@ -125,32 +157,8 @@ def load_svmlight(path, n_features: int | None = None, zero_based: bool = False,
                     raise err(lineno, f"third class label {label:g} (already seen {seen}); "
                                       "only binary classification (two label values) is supported")
                 classes[label] = lineno
-            prev = -1
-            for tok in toks[1:]:
-                key, sep, val = tok.partition(":")
-                if not sep:
-                    raise err(lineno, f"feature {tok!r} is not of the form index:value")
-                if key == "qid":
-                    continue
-                try:
-                    idx = int(key)
-                    v = float(val)
-                except ValueError:
-                    raise err(lineno, f"feature {tok!r} is not of the form index:value") from None
-                col = idx - base
-                if col < 0:
-                    raise err(lineno, f"feature index {idx} is below {base} "
-                                      f"({'0' if zero_based else '1'}-based indices)")
-                if n_features is not None and col >= n_features:
-                    raise err(lineno, f"feature index {idx} is beyond the declared dimension {n_features}")
-                if col <= prev:
-                    raise err(lineno, f"feature index {idx} is not larger than the previous one "
-                                      "(indices must be strictly increasing)")
-                if not math.isfinite(v):
-                    raise err(lineno, f"feature value {val!r} is not finite")
-                prev = col
-                cols.append(col)
-                vals.append(v)
+            prev = _parse_features(toks[1:], base, n_features, zero_based, cols, vals,
+                                   lambda msg, lineno=lineno: err(lineno, msg))
             max_col = max(max_col, prev)
             raw_labels.append(label)
             indptr.append(len(cols))
