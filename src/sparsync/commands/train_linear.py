@@ -27,7 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=int, default=4, help="number of ranks P (default 4)")
     p.add_argument("--algorithm", default="auto",
                    help="sparse all-reduce (auto, ssar_rec_dbl, ssar_split_allgather, dsar_split_allgather, "
-                        "dsar_early_switch, allgather, torch_sparse) or 'dense' (default auto)")
+                        "dsar_early_switch, allgather, torch_sparse), 'ps' (parameter server, see --servers) "
+                        "or 'dense' (default auto)")
+    p.add_argument("--servers", type=int, default=1, help="--algorithm ps: server ranks holding shards (default 1)")
     p.add_argument("--backend", choices=("thread", "gloo"), default="gloo",
                    help="ranks as threads or gloo processes (default gloo; --bandwidth implies gloo)")
     p.add_argument("--bandwidth", default=None,
@@ -63,10 +65,13 @@ def run(args) -> int:
     if args.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2
-    algos = load_all()
+    algos = set(load_all()) | {"ps"}
     if args.algorithm != "dense" and args.algorithm not in algos:
         print(f"error: unknown --algorithm {args.algorithm!r}; valid: dense, {', '.join(sorted(algos))}",
               file=sys.stderr)
+        return 2
+    if args.algorithm == "ps" and not 1 <= args.servers <= args.workers:
+        print(f"error: --servers must be in [1, --workers], got {args.servers}", file=sys.stderr)
         return 2
     if not 0 <= args.test_fraction < 1:
         print("error: --test-fraction must be in [0, 1)", file=sys.stderr)
@@ -91,6 +96,8 @@ def run(args) -> int:
           f"algorithm {args.algorithm}, network {net}")
     kw = {"model": args.model, "epochs": args.epochs, "global_batch": gb, "lr": args.lr, "l2": args.l2,
               "algorithm": args.algorithm, "seed": args.seed}
+    if args.algorithm == "ps":
+        kw["servers"] = args.servers
     try:
         if args.bandwidth:
             from sparsync.cluster import run_emulated

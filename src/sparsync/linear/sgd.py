@@ -4,7 +4,8 @@ Thesis Algorithm 1 with a fixed *global* batch: every epoch all ranks draw the s
 (seeded by ``seed`` and the epoch), cut it into global batches of ``global_batch`` samples, and rank
 ``r`` of ``P`` takes the contiguous slice ``[r*b//P, (r+1)*b//P)`` of each batch. Each rank computes
 the *sum* of its samples' gradients (sparse: only the features present in its slice), a lossless
-sparse all-reduce (``algorithm``: any name of :mod:`sparsync.collectives`, or ``"dense"`` for a
+sparse all-reduce (``algorithm``: any name of :mod:`sparsync.collectives`, ``"ps"`` for the
+parameter-server baseline of :mod:`sparsync.ps` (option ``servers``), or ``"dense"`` for a
 dense all-reduce) sums them, and every rank applies ``w <- w - lr/b * sum`` (plus an optional dense
 L2 shrink ``w <- w (1 - lr*l2)``, applied identically everywhere). Because the global batch and the
 permutation do not depend on ``P``, 1, 2 or 4 workers follow the same trajectory up to the
@@ -22,6 +23,7 @@ import time
 import torch
 
 from ..collectives.registry import load_all
+from ..ps import ps_allreduce
 from ..sparse import SparseVec
 from .data import SparseDataset
 from .models import MODELS, batch_gradient, evaluate
@@ -51,7 +53,8 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
     """Train on ``comm``'s ranks; returns ``{"w", "history"}`` (identical ``w`` on every rank)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
-    algos = load_all()
+    algos = dict(load_all())
+    algos["ps"] = ps_allreduce  # the parameter-server baseline (option ``servers``)
     if algorithm != "dense" and algorithm not in algos:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
     if global_batch < comm.world_size:
@@ -81,7 +84,8 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
                 total = g
             else:
                 info = {}
-                total = algos[algorithm](g, comm, report=info, **algo_options)
+                opts = algo_options if algorithm == "ps" else {"report": info, **algo_options}
+                total = algos[algorithm](g, comm, **opts)
                 if algorithm == "auto":
                     picked[info["algorithm"]] = picked.get(info["algorithm"], 0) + 1
             t2 = time.perf_counter()
