@@ -84,8 +84,9 @@ def build(name: str, batch_size: int = 64, seed: int = 0):
     """(model, batch(step, rank, P) -> (x, y), loss_fn) for a model of :data:`MODELS`."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(MODELS))}")
-    torch.manual_seed(seed)
-    return MODELS[name](batch_size)
+    with torch.random.fork_rng(devices=[]):  # module init draws from the global RNG: seed, then restore
+        torch.manual_seed(seed)
+        return MODELS[name](batch_size)
 
 
 def _worker(comm, model_name, reducer, density, merges, warmup, steps, batch_size, reducer_options):
