@@ -189,7 +189,7 @@ def _sum_ranks(comm):
 def test_cli_smoke(needs_netns, capsys):
     from sparsync.cli import main
 
-    assert main(["cluster", "smoke", "--world-size", "2", "--bandwidth", "100mbit", "--numel", "2e4",
+    assert main(["cluster", "smoke", "--workers", "2", "--bandwidth", "100mbit", "--numel", "2e4",
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "correct" in out and "model at 100mbit" in out and "default" not in out

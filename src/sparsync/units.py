@@ -48,7 +48,8 @@ def _number(x, what: str) -> float | None:
 
 def _positive(v: float, s, what: str) -> float:
     if not v > 0 or v == float("inf"):
-        raise ValueError(f"{what} must be positive and finite, got {s!r}")
+        forms = f"; {RATE_FORMS}" if what == "rate" else ""
+        raise ValueError(f"{what} must be positive and finite, got {s!r}{forms}")
     return v
 
 
@@ -85,8 +86,8 @@ def format_rate(bits_per_s: float) -> str:
     """``1e9`` -> ``"1gbit"`` (the tc spelling, which :func:`parse_rate` reads back)."""
     for unit, f in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bits_per_s >= f:
-            return f"{bits_per_s / f:g}{unit}"
-    return f"{bits_per_s:g}bit"
+            return f"{bits_per_s / f:.12g}{unit}"
+    return f"{bits_per_s:.12g}bit"
 
 
 def parse_size(s) -> int:

@@ -107,6 +107,12 @@ def load_model(spec: str, batch_size: int, input_shape: str | None = None, vocab
             out = next(iter(out.values()))
         return out.float().pow(2).mean()  # any scalar: the profile needs backward's timing, not a loss
 
+    try:
+        with torch.no_grad():
+            one()  # materialises lazy modules (nn.LazyLinear ...) and checks the input fits
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise UsageError(f"--model {spec}: a forward pass on the example input failed "
+                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check --input-shape") from None
     return model, one
 
 

@@ -33,7 +33,7 @@ def _seconds_per_byte(s: str) -> str:
     """Old ``--beta`` (seconds per byte) -> the rate it means, so both spellings meet in ``bandwidth``."""
     from ..units import format_rate, parse_duration
 
-    return format_rate(8.0 / parse_duration(s))
+    return format_rate(float(f"{8.0 / parse_duration(s):.9g}"))  # 8/8e-9 is 999999999.99...
 
 
 def register(sub) -> None:
