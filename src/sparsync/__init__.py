@@ -13,13 +13,19 @@ from .sparse import SparseVec
 
 __version__ = "0.1.0"
 
+_LAZY_DDP = ("SparseDDP", "ddp_hook", "DDPHook")  # imported on first use, listed in __all__ and dir()
+
 __all__ = ["SparseVec", "Comm", "Ledger", "run_local", "comm_from_env", "torchrun_main",
-           "sparse_allreduce", "make_reducer", "Reducer", "__version__"]
+           "sparse_allreduce", "make_reducer", "Reducer", "__version__", *_LAZY_DDP]
 
 
 def __getattr__(name):  # later layers, imported lazily so `import sparsync` stays light
-    if name in ("SparseDDP", "ddp_hook"):
+    if name in _LAZY_DDP:
         from . import ddp
 
         return getattr(ddp, name)
     raise AttributeError(f"module 'sparsync' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_DDP))

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from .schedule.engine import OverlapEngine
+from .schedule.worker import CommWorker
 
 __all__ = ["DDPHook", "SparseDDP", "agree_steps", "ddp_hook"]
 
@@ -343,8 +344,22 @@ class DDPHook:
     ``model.register_comm_hook(state, ss.ddp_hook("topka", density=0.01))``: ``state`` may be None
     (a ``TorchComm`` over DDP's default group is created on first use), a sparsync ``Comm``, a
     process group, or the DDP model itself (its ``process_group`` is used). One reducer per bucket
-    index (``bucket.index()``); returns the averaged bucket (sum / P). The reduce runs synchronously
-    inside the hook (no overlap beyond what DDP's bucketing gives).
+    index (``bucket.index()``).
+
+    **Asynchronous** (default), like torch's ``allreduce_hook`` / ``powerSGD_hook``: the hook
+    returns at once a ``torch.futures.Future`` that completes when the bucket's reduction is done;
+    the reduction (error feedback, selection, the collectives, ``sum / P`` written into the
+    bucket) runs on one FIFO communication thread per hook, so DDP keeps computing backward and
+    launching later buckets meanwhile. DDP launches buckets in index order on every rank, and the
+    FIFO thread keeps that order, so every rank issues identical collectives in identical order and
+    the result stays bitwise identical across ranks (and bitwise equal to ``asynchronous=False``,
+    where the reduction runs inside the hook). With ``find_unused_parameters=True`` DDP issues its
+    own all-reduce during backward; give the hook its own group then (``state=dist.new_group()``).
+
+    **State**, saved like PowerSGD's: ``torch.save(hook, f)`` pickles the hook's state without the
+    process group, worker thread or module (``hook.state_dict()`` / ``load_state_dict`` give the
+    same as a dict); ``hook = torch.load(f, weights_only=False)`` and register it again
+    (``model.register_comm_hook(model, hook)`` gives it the module for the per-parameter layout).
 
     DDP lays its buckets out in one order in the first iteration and rebuilds them in gradient-ready
     order after it, so a bucket's contents can move. The hook therefore needs to know the model's
@@ -353,11 +368,11 @@ class DDPHook:
     indices of ``module.parameters()``), and ``state_dict()`` stores residuals **per parameter**; a
     reducer created for a new layout gets its residual re-assembled from those pieces (other reducer
     state is kept only when the layout is unchanged). Without a module, a bucket whose size changes
-    gets a fresh reducer and a loaded state is used only for a bucket of the same size — correct only
+    gets a fresh reducer and a loaded state is used only for a bucket of the same size - correct only
     if the layout did not change (a warning says so).
     """
 
-    def __init__(self, reducer: str, density: float = 0.01, module=None, **options):
+    def __init__(self, reducer: str, density: float = 0.01, module=None, asynchronous: bool = True, **options):
         from .reducers.registry import load_all
 
         if reducer not in load_all():
@@ -366,13 +381,29 @@ class DDPHook:
         self.__name__ = self.__qualname__ = f"sparsync_{reducer}_hook"  # torch DDP reads these
         self.density = density
         self.options = options
+        self.asynchronous = bool(asynchronous)
         self.comm = None
         self.module = module
         self._pindex = None
+        self._worker = None
         self.reducers: dict[int, object] = {}
         self.layouts: dict[int, list | None] = {}
         self._pending: dict | None = None
         self.last_stats: dict = {}
+
+    def __getstate__(self):
+        return {"reducer": self.reducer_name, "density": self.density, "options": dict(self.options),
+                "asynchronous": self.asynchronous, "state": self.state_dict()}
+
+    def __setstate__(self, d):
+        self.__init__(d["reducer"], d["density"], asynchronous=d.get("asynchronous", True), **d["options"])
+        self.load_state_dict(d["state"])
+
+    def close(self) -> None:
+        """Stop the communication thread (a later call starts a new one)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def _comm_for(self, state):
         if self.comm is None:
@@ -418,6 +449,24 @@ class DDPHook:
 
     def __call__(self, state, bucket):
         comm = self._comm_for(state)
+        fut = torch.futures.Future()
+
+        def job():
+            try:
+                fut.set_result(self._reduce_bucket(comm, bucket))
+            except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+                fut.set_exception(e)
+
+        if not self.asynchronous:
+            job()
+            return fut
+        if self._worker is None:
+            self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
+        self._worker.submit(job)
+        return fut
+
+    def _reduce_bucket(self, comm, bucket):
+        """Reduce one bucket in place: ``bucket.buffer() := sum over ranks / P`` (one write pass)."""
         buf = bucket.buffer()
         idx = int(bucket.index())
         layout = self._layout(bucket)
@@ -428,14 +477,14 @@ class DDPHook:
             r = self._new_reducer(idx, buf.numel(), layout)
             self.reducers[idx] = r
             self.layouts[idx] = layout
-        out = r.reduce(buf.reshape(-1)).reshape(buf.shape).to(buf.dtype) / comm.world_size
+        flat = buf.reshape(-1)
+        out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
+        torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
         self.last_stats[idx] = dict(r.stats)
         if bucket.is_last():
             self._pending = None if all(i in self.reducers for i in (self._pending or {}).get("buckets", {})) \
                 else self._pending
-        fut = torch.futures.Future()
-        fut.set_result(out)
-        return fut
+        return buf
 
     def _param_sizes(self):
         return [p.numel() for p in self.module.parameters()] if self.module is not None else None
@@ -467,10 +516,11 @@ class DDPHook:
         self.layouts = {}
 
 
-def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, **options) -> DDPHook:
+def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, asynchronous: bool = True,
+             **options) -> DDPHook:
     """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
 
     ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
-    rebuild and across a resume.
+    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook (no overlap).
     """
-    return DDPHook(reducer, density, module=module, **options)
+    return DDPHook(reducer, density, module=module, asynchronous=asynchronous, **options)

@@ -231,7 +231,8 @@ class OverlapEngine:
                 out = r.reduce_sparse(x)
                 span.mark("reduce")
             else:
-                x, _ = self.buffers.gather(g, grads)
+                x, copied = self.buffers.gather(g, grads)
+                self._stats.copied_bytes += copied
                 span.mark("copy")
                 if self.guard.checks and not all_finite(x):
                     self._bad_local.append(g)

@@ -81,6 +81,7 @@ class StepStats:
     def __init__(self):
         self.spans: list[GroupSpan] = []
         self.counters = dict.fromkeys(_REDUCER_KEYS, 0)
+        self.copied_bytes = 0   # gradient bytes copied into the flat buffers (0 when .grad were the views)
 
     def add_reducer_stats(self, st: dict) -> None:
         for k in _REDUCER_KEYS:
@@ -99,6 +100,7 @@ class StepStats:
             "bytes_sent": int(c["bytes_sent"]),
             "bytes_received": int(c["bytes_received"]),
             "selected": int(c["selected"]),
+            "copied_bytes": int(self.copied_bytes),
         }
         totals = dict.fromkeys(("copy", "check", "policy", "select", "comm", "reducer_other"), 0.0)
         wait = dict(totals)
