@@ -36,7 +36,7 @@ CONFIGS = ("floor", "ddp", "sparseddp-dense", "hook-async", "hook-sync", "sparse
 _PARTS = ("copy", "check", "policy", "select", "comm", "reducer_other", "idle")
 
 
-def _setup(comm, cfg, model_name, reducer, density, bucket_mb, batch_size):
+def _setup(comm, cfg, model_name, reducer, density, bucket_mb, merge, batch_size):
     import sparsync as ss
 
     from .engine import build
@@ -51,16 +51,15 @@ def _setup(comm, cfg, model_name, reducer, density, bucket_mb, batch_size):
             fwd.register_comm_hook(fwd, ss.ddp_hook(reducer, density, asynchronous=cfg == "hook-async"))
     else:
         red = "dense" if cfg == "sparseddp-dense" else reducer
-        fwd = ddp = ss.SparseDDP(model, comm, reducer=red, density=density, merge=f"buckets:{bucket_mb:g}",
-                                 nonfinite="ignore")
+        fwd = ddp = ss.SparseDDP(model, comm, reducer=red, density=density, merge=merge, nonfinite="ignore")
     return model, batch, loss_fn, fwd, ddp, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
-def _worker(comm, model_name, reducer, density, bucket_mb, warmup, steps, batch_size, configs):
+def _worker(comm, model_name, reducer, density, bucket_mb, merge, warmup, steps, batch_size, configs):
     """All configurations live side by side and take their steps in turn (round robin), so a change
     of machine load hits every configuration alike."""
     torch.set_num_threads(1)
-    setups = {cfg: _setup(comm, cfg, model_name, reducer, density, bucket_mb, batch_size) for cfg in configs}
+    setups = {cfg: _setup(comm, cfg, model_name, reducer, density, bucket_mb, merge, batch_size) for cfg in configs}
     rows = {cfg: [] for cfg in configs}
     for step in range(warmup + steps):
         for cfg, (_model, batch, loss_fn, fwd, ddp, opt) in setups.items():
@@ -95,14 +94,18 @@ def _worker(comm, model_name, reducer, density, bucket_mb, warmup, steps, batch_
             names = ["backward_s", "wait_s", "writeback_s", "cpu_wait_s", "copy_s", "select_s", "comm_s"]
             # unexplained is computed per rank and step (this rank's step minus this rank's parts)
             res.update(zip(names + [f"wait_{k}_s" for k in _PARTS] + ["unexplained_s"], med[4:]))
+            res["groups"] = [len(g) for g in ddp.engine.groups]
             ddp.close()
         out[cfg] = res
     return out
 
 
-def run(model="digits-mlp", reducer="micro", density=0.01, bucket_mb=25.0, workers=4, bandwidth="1gbit",
-        warmup=3, steps=12, batch_size=32, configs=CONFIGS, loopback=False) -> dict:
-    args = (model, reducer, density, bucket_mb, warmup, steps, batch_size, list(configs))
+def run(model="digits-mlp", reducer="micro", density=0.01, bucket_mb=None, merge="buckets:1", workers=4,
+        bandwidth="1gbit", warmup=3, steps=12, batch_size=32, configs=CONFIGS, loopback=False) -> dict:
+    """``bucket_mb``: torch DDP's ``bucket_cap_mb`` (None: its default, 25 MB with a 1 MB first
+    bucket); ``merge``: SparseDDP's plan (``buckets:1`` groups digits-mlp exactly as DDP's default:
+    [fc3, fc2] then [fc1])."""
+    args = (model, reducer, density, bucket_mb, merge, warmup, steps, batch_size, list(configs))
     if loopback:
         from ..launch import run_local
 
@@ -112,14 +115,14 @@ def run(model="digits-mlp", reducer="micro", density=0.01, bucket_mb=25.0, worke
     return run_emulated(_worker, workers, *args, bandwidth=bandwidth, timeout=900)[0]
 
 
-def format_markdown(res: dict, reducer: str, density: float) -> str:
+def format_markdown(res: dict, reducer: str, density: float, merge: str = "buckets:1") -> str:
     floor = res.get("floor", {}).get("step_s")
     lines = ["| configuration | step (ms) | vs torch DDP | vs floor |", "|---|---|---|---|"]
-    label = {"floor": "no communication (floor)", "ddp": "torch DDP (dense, buckets 25 MB)",
-             "sparseddp-dense": "SparseDDP dense, buckets:25",
+    label = {"floor": "no communication (floor)", "ddp": "torch DDP (dense, default buckets: 25 MB, first 1 MB)",
+             "sparseddp-dense": f"SparseDDP dense, {merge}",
              "hook-async": f"torch DDP + ss.ddp_hook({reducer}, {density:g}), async",
              "hook-sync": f"torch DDP + ss.ddp_hook({reducer}, {density:g}), synchronous",
-             "sparseddp": f"SparseDDP {reducer} {density:g}, buckets:25"}
+             "sparseddp": f"SparseDDP {reducer} {density:g}, {merge}"}
     ddp = res.get("ddp", {}).get("step_s")
     for cfg, v in res.items():
         s = v["step_s"]
@@ -142,7 +145,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="digits-mlp")
     ap.add_argument("--reducer", default="micro")
     ap.add_argument("--density", type=float, default=0.01)
-    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--bucket-mb", type=float, default=None, help="torch DDP bucket_cap_mb (default: DDP's)")
+    ap.add_argument("--merge", default="buckets:1", help="SparseDDP merge plan")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--bandwidth", default="1gbit")
     ap.add_argument("--warmup", type=int, default=3)
@@ -152,9 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loopback", action="store_true", help="no emulated network (plain loopback)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = run(a.model, a.reducer, a.density, a.bucket_mb, a.workers, a.bandwidth, a.warmup, a.steps, a.batch_size,
-              a.configs.split(","), a.loopback)
-    print(json.dumps(res, indent=1) if a.json else format_markdown(res, a.reducer, a.density))
+    res = run(a.model, a.reducer, a.density, a.bucket_mb, a.merge, a.workers, a.bandwidth, a.warmup, a.steps,
+              a.batch_size, a.configs.split(","), a.loopback)
+    print(json.dumps(res, indent=1) if a.json else format_markdown(res, a.reducer, a.density, a.merge))
     return 0
 
 
