@@ -18,9 +18,11 @@ What it does (``spec/mgwfbp.md`` §5, issue 6):
   (:mod:`sparsync.schedule.engine`);
 * when ``loss.backward()`` returns, every ``param.grad`` holds ``sum over ranks / P`` of what the
   reducers transmitted — bitwise identical on every rank, so parameters stay identical;
-* ``state_dict()`` / ``load_state_dict()``: module parameters and buffers, the plan, and every
-  reducer's state (residuals, step counters, the method's own state), with no process group
-  inside, so a resumed run continues bitwise identically;
+* ``state_dict()`` / ``load_state_dict()``: a well-behaved ``nn.Module`` - the model's tensors under
+  ``module.*`` like torch DDP (``_orig_mod.module.*`` under ``torch.compile``), and the engine state
+  (the plan, every reducer's residuals / counters / own state, the policy's state; no process group)
+  as this module's extra state ``_extra_state`` (``sparsync_state_dict()`` alone), so a resumed run
+  continues bitwise identically;
 * sparse gradients (``nn.Embedding(sparse=True)``) are densified into their group, or — when the
   reducer has a ``reduce_sparse(coo)`` method — sent alone through it.
 
@@ -218,6 +220,8 @@ class SparseDDP(nn.Module):
         return self._engine.state_dict()
 
     def load_sparsync_state_dict(self, state: dict) -> None:
+        if isinstance(state, dict) and "sparsync" in state and "reducers" not in state:
+            state = state["sparsync"]  # the pre-0.2 layout {"module", "sparsync"}
         if not isinstance(state, dict) or "reducers" not in state:
             raise ValueError("expected the dict returned by SparseDDP.sparsync_state_dict() "
                              f"(the '_extra_state' entry of SparseDDP.state_dict()), got {type(state).__name__}")
