@@ -202,18 +202,18 @@ def _hook_suite(comm):
     a_ddp, a_hook, _ = _hook_run(comm, True)
     s_ddp, _, _ = _hook_run(comm, False)
     assert a_hook._worker is not None and len(a_hook.reducers) > 1
-    # PowerSGD-style save: pickle the hook (no process group, thread or module inside), 10 + 10 steps.
-    # Bitwise only while DDP's bucket layout after construction equals the rebuilt one: one bucket here
-    ddp, hook, opt = _hook_run(comm, True, steps=10, cap=25)
+    # PowerSGD-style save: pickle the hook (no process group, thread or module inside), 10 + 10 steps;
+    # bitwise although the fresh DDP's first iteration has one bucket where the saved state has two
+    ddp, hook, opt = _hook_run(comm, True, steps=10)
     buf = io.BytesIO()
     torch.save({"hook": hook, "model": ddp.module.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     blob = torch.load(buf, weights_only=False)
-    ddp2 = nn.parallel.DistributedDataParallel(_hook_model(11), bucket_cap_mb=25)
+    ddp2 = nn.parallel.DistributedDataParallel(_hook_model(11), bucket_cap_mb=0.01)
     ddp2.module.load_state_dict(blob["model"])
     hook2 = blob["hook"]
     assert hook2.comm is None and hook2.module is None
-    assert hook2.state_dict()["buckets"][0]["state"]["residual"] is not None
+    assert len(hook2.state_dict()["buckets"]) == 2
     ddp2.register_comm_hook(ddp2, hook2)
     opt2 = torch.optim.SGD(ddp2.parameters(), lr=0.1)
     opt2.load_state_dict(blob["opt"])

@@ -371,7 +371,9 @@ class DDPHook:
     :func:`ddp_hook` (or the DDP model as ``state``). It then records each bucket's layout (parameter
     indices of ``module.parameters()``), and ``state_dict()`` stores residuals **per parameter**; a
     reducer created for a new layout gets its residual re-assembled from those pieces (other reducer
-    state is kept only when the layout is unchanged). Without a module, a bucket whose size changes
+    state is kept only when the layout is unchanged). After a load, a bucket tiled exactly by saved
+    buckets (DDP's first iteration, before its rebuild) is reduced part by part with the saved
+    reducers, so a resume is bitwise. Without a module, a bucket whose size changes
     gets a fresh reducer and a loaded state is used only for a bucket of the same size - correct only
     if the layout did not change (a warning says so).
     """
@@ -474,6 +476,11 @@ class DDPHook:
         buf = bucket.buffer()
         idx = int(bucket.index())
         layout = self._layout(bucket)
+        parts = self._saved_parts(idx, layout)
+        if parts is not None:
+            self._reduce_saved_parts(comm, buf, layout, parts)
+            self._finish_bucket(bucket)
+            return buf
         r = self.reducers.get(idx)
         if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
             if r is not None and self._pending is None and layout is not None:
@@ -485,10 +492,48 @@ class DDPHook:
         out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
         torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
         self.last_stats[idx] = dict(r.stats)
+        self._finish_bucket(bucket)
+        return buf
+
+    def _finish_bucket(self, bucket):
         if bucket.is_last():
             self._pending = None if all(i in self.reducers for i in (self._pending or {}).get("buckets", {})) \
                 else self._pending
-        return buf
+
+    def _saved_parts(self, idx, layout):
+        """After a load: the saved buckets that tile this bucket exactly, when this bucket's layout is
+        not a saved one (DDP's first iteration after construction has its own layout, before the
+        rebuild). Reducing those parts with their saved reducers, in saved index order, is what the
+        uninterrupted run did - so a resume is bitwise whatever DDP's initial layout."""
+        pend = self._pending
+        if pend is None or layout is None:
+            return None
+        saved = {i: b.get("layout") for i, b in pend["buckets"].items() if b.get("layout") is not None}
+        if saved.get(idx) == layout:
+            return None
+        want = set(layout)
+        parts = sorted(i for i, lay in saved.items() if set(lay) <= want)
+        if sorted(j for i in parts for j in saved[i]) != sorted(layout):
+            return None
+        return [(i, saved[i]) for i in parts]
+
+    def _reduce_saved_parts(self, comm, buf, layout, parts):
+        sizes = self._param_sizes()
+        offsets, off = {}, 0
+        for j in layout:
+            offsets[j] = off
+            off += sizes[j]
+        flat = buf.reshape(-1)
+        for i, lay in parts:
+            index = torch.cat([torch.arange(offsets[j], offsets[j] + sizes[j], device=flat.device) for j in lay])
+            r = self.reducers.get(i)
+            if r is None or self.layouts.get(i) != lay:
+                r = self._new_reducer(i, index.numel(), lay)
+                self.reducers[i], self.layouts[i] = r, lay
+            x = flat[index]
+            out = r.reduce(x if x.dtype.is_floating_point else x.float())
+            flat[index] = (out / comm.world_size).to(flat.dtype)
+            self.last_stats[i] = dict(r.stats)
 
     def _param_sizes(self):
         return [p.numel() for p in self.module.parameters()] if self.module is not None else None
