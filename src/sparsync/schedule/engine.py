@@ -37,6 +37,7 @@ from ..reducers.registry import load_all, make_reducer
 from .buffers import GradBuffers
 from .groups import check_cover, migrate_reducers, split_groups
 from .guards import StepGuard, all_finite
+from .merge import STRATEGIES
 from .planner import Planner
 from .stepstats import GroupSpan, StepStats
 from .timeline import Timeline
@@ -104,16 +105,25 @@ class OverlapEngine:
     def profile(self):
         return self.planner.profile
 
+    @profile.setter
+    def profile(self, prof):
+        self.planner.profile = prof
+
     @property
     def cost_model(self):
         return self.planner.cost_model
+
+    @cost_model.setter
+    def cost_model(self, cm):
+        self.planner.cost_model = cm
 
     @property
     def nonfinite(self) -> str:
         return self.guard.nonfinite
 
-    def predictions(self, t_f: float = 0.0) -> dict:
-        return self.planner.predictions(t_f=t_f)
+    def predictions(self, strategies=STRATEGIES, t_f: float = 0.0) -> dict:
+        """Predicted timeline of every strategy under the current profile and cost model."""
+        return self.planner.predictions(strategies, t_f=t_f)
 
     # ------------------------------------------------------------------ groups
     def _set_groups(self, groups, migrate=True):
