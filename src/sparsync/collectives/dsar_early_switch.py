@@ -137,10 +137,7 @@ def dsar_early_switch_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="ra
     kg = k / G
     union = union_model(pattern, kg, dg)
     b1 = (G - 1) * sim.bytes(sim.start(kg, dg), dg)
-    s0 = sim.start(kg, dg)
-    acc = s0
-    for j in range(1, G):
-        acc = sim.add(acc, s0, union(j + 1), dg)
+    sim.add_many([sim.start(kg, dg)] * G, union(G), dg)
     sim.densify(dg)
     sim.dense_elems += (dg - dg // Q) + (Pp - 1) * (n // Pp)  # reduce-scatter adds, all-gather copies
     b2 = (Q - 1) * (dg // Q) * value_bytes

@@ -162,14 +162,19 @@ class Reducer:
         the storage count is above the pool's own. Any in-place change the caller made is wiped by
         the full ``zero_()``.
         """
+        return self.output_buffer(numel, dtype, device, zero=True)
+
+    def output_buffer(self, numel: int, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+        """:meth:`zeros_output` without the zero fill (``zero=False``): for a result that is fully
+        overwritten (the dense reducer copies the gradient in and all-reduces in place)."""
         pool = self.__dict__.setdefault("_output_pool", [])  # [(buffer, its own storage count)]
         device = torch.device(device)
         for i, (buf, own) in enumerate(pool):
             if (own is not None and buf.numel() == numel and buf.dtype == dtype and buf.device == device
                     and _storage_use_count(buf) == own):
                 pool.append(pool.pop(i))  # most recently used last
-                return buf.zero_().view(-1)
-        buf = torch.zeros(int(numel), dtype=dtype, device=device)
+                return (buf.zero_() if zero else buf).view(-1)
+        buf = (torch.zeros if zero else torch.empty)(int(numel), dtype=dtype, device=device)
         own = _storage_use_count(buf)
         if own is not None:
             pool.append((buf, own))

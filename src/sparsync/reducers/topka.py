@@ -24,4 +24,4 @@ class TopkAReducer(Reducer):
             self.keep_unsent(acc, idx)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
-            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm)
+            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm, dense=True)

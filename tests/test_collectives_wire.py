@@ -1,0 +1,75 @@
+"""Wire-level pieces of the lossless collectives: the one-pass multi-operand sum, flat all-gather,
+all-reduce into a given buffer, and the backend sparse all-reduce capability."""
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.bench.patterns import make_sparse
+from sparsync.sparse import SparseVec, add, sparse_is_smaller, sum_streams
+
+
+def _chain(parts):
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = add(acc, p)
+    return acc
+
+
+@pytest.mark.parametrize("pattern,density", [("random", 0.01), ("identical", 0.2), ("random", 0.2),
+                                             ("disjoint", 0.05), ("random", 0.4)])
+def test_sum_streams_bitwise_equals_pairwise_adds_and_follows_the_switch_rule(pattern, density):
+    P, n = 5, 6001
+    parts = [make_sparse(pattern, r, P, n, density, seed=2) for r in range(P)]
+    parts = [SparseVec(p.indices, p.values * 1.7 ** r, n) for r, p in enumerate(parts)]  # rounding matters
+    got = sum_streams(parts, n)
+    dense_ref = torch.zeros(n)
+    for p in parts:
+        dense_ref.index_add_(0, p.indices, p.values)
+    assert torch.equal(ss.sparse.as_dense(got), dense_ref)  # same bits as a rank-order scatter-add
+    assert torch.equal(ss.sparse.as_dense(got), ss.sparse.as_dense(_chain(parts)))
+    union = torch.unique(torch.cat([p.indices for p in parts])).numel()
+    total = sum(p.nnz for p in parts)
+    expect_sparse = total < n and sparse_is_smaller(union, n)
+    assert isinstance(got, SparseVec) == expect_sparse
+    if expect_sparse:
+        assert got.nnz == union
+    # any dense operand makes the result dense
+    mixed = sum_streams([parts[0], parts[1].to_dense()], n)
+    assert isinstance(mixed, torch.Tensor) and torch.equal(mixed, parts[0].to_dense() + parts[1].to_dense())
+
+
+def _comm_caps(comm):
+    P, r = comm.world_size, comm.rank
+    t = torch.arange(5, dtype=torch.float32) + 10 * r
+    flat = comm.allgather_into(t, torch.empty(5 * P))
+    own = torch.full((7,), float(r + 1))
+    inplace = comm.allreduce(own, out=own)
+    src = torch.full((4,), 2.0 * r)
+    buf = torch.empty(4)
+    into = comm.allreduce(src, out=buf)
+    snap = comm.ledger.snapshot()
+    sv = make_sparse("random", r, P, 500, 0.05 * (1 + r))  # different counts per rank
+    idx, vals = comm.sparse_allreduce_coo(sv.indices, sv.values, 500)
+    cost = comm.ledger.since(snap)
+    with pytest.raises(ss.comm.CommError, match="allgather_into"):
+        comm.allgather_into(t, torch.empty(3))
+    return flat, inplace is own, own, into is buf, buf, src, idx, vals, cost
+
+
+@pytest.mark.parametrize("backend", ["thread", pytest.param("gloo", marks=pytest.mark.gloo)])
+def test_comm_capabilities_same_on_both_backends(backend):
+    P, n = 3, 500
+    res = ss.run_local(_comm_caps, P, backend=backend)
+    ref = sum(make_sparse("random", r, P, n, 0.05 * (1 + r)).to_dense() for r in range(P))
+    m = max(make_sparse("random", r, P, n, 0.05 * (1 + r)).nnz for r in range(P))
+    for r, (flat, same, own, same2, buf, src, idx, vals, cost) in enumerate(res):
+        assert torch.equal(flat, torch.cat([torch.arange(5.0) + 10 * q for q in range(P)]))
+        assert same and torch.equal(own, torch.full((7,), float(sum(range(1, P + 1)))))
+        assert same2 and torch.equal(buf, torch.full((4,), 2.0 * sum(range(P))))
+        assert torch.equal(src, torch.full((4,), 2.0 * r))
+        dense = torch.zeros(n)
+        dense[idx] = vals
+        assert torch.allclose(dense, ref) and bool((idx[1:] > idx[:-1]).all())
+        assert cost["rounds"] == 2 * (P - 1) and cost["bytes_received"] == (P - 1) * m * 12
+    assert all(torch.equal(r[7], res[0][7]) for r in res)
