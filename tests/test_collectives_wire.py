@@ -73,3 +73,55 @@ def test_comm_capabilities_same_on_both_backends(backend):
         assert torch.allclose(dense, ref) and bool((idx[1:] > idx[:-1]).all())
         assert cost["rounds"] == 2 * (P - 1) and cost["bytes_received"] == (P - 1) * m * 12
     assert all(torch.equal(r[7], res[0][7]) for r in res)
+
+
+# ---------------------------------------------------------------------- half-precision values on the wire
+def _half_steps(comm, name, value_dtype, n, steps):
+    opts = {"threshold": 800.0} if name == "hard_threshold" else {}  # ~1% of N(0, 300)
+    r = ss.make_reducer(name, comm, density=0.01, value_dtype=value_dtype, **opts)
+    g = torch.Generator().manual_seed(comm.rank)
+    rows = []
+    for _ in range(steps):
+        grad = torch.randn(n, generator=g) * 3e2  # some values above fp16's max after accumulation
+        grad[comm.rank] = 1e6
+        before = torch.zeros(n) if r.residual is None else r.residual.clone()
+        out = r.reduce(grad)
+        rows.append((grad + before, r.residual.clone(), out, dict(r.stats)))
+    return rows
+
+
+@pytest.mark.parametrize("name", ["topka", "hard_threshold"])
+@pytest.mark.parametrize("value_dtype,wdt", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_half_values_conserve_exactly_and_halve_the_value_bytes(name, value_dtype, wdt):
+    P, n, steps = 3, 4000, 3
+    res = ss.run_local(_half_steps, P, name, value_dtype, n, steps)
+    fp32 = ss.run_local(_half_steps, P, name, "fp32", n, 1)
+    for s in range(steps):
+        sent = []
+        for r in range(P):
+            acc, resid, out, stats = res[r][s]
+            d = acc - resid  # what rank r sent, exactly (residual = acc - float(rounded))
+            nz = d != 0
+            assert torch.equal(d[nz].to(wdt).float(), d[nz])  # every sent value is a half-precision number
+            assert float(d.abs().max()) <= (65504.0 if wdt == torch.float16 else float("inf"))
+            sent.append(d)
+        # conservation with the rounded values: acc_r == residual_r + sent_r bitwise (checked above by
+        # construction), and out == the fp32 rank-order sum of the sent values, bitwise on every rank
+        ref = torch.zeros(n)
+        for d in sent:
+            ref += d
+        for r in range(P):
+            assert torch.equal(res[r][s][2], ref), (r, s)
+        k_sent = [int((d != 0).sum()) for d in sent]
+        m = max(res[r][s][3]["selected"] for r in range(P))
+        assert all(ks <= res[r][s][3]["selected"] for r, ks in enumerate(k_sent))
+        assert res[0][s][3]["bytes_received"] == (P - 1) * (8 + m * (4 + 2))  # int32 index + 2-byte value
+    assert fp32[0][0][3]["bytes_received"] == (P - 1) * (8 + max(f[0][3]["selected"] for f in fp32) * 8)
+
+
+def test_value_dtype_errors():
+    comm = ss.threadcomm.ThreadWorld(1).comms()[0]
+    with pytest.raises(ValueError, match="value_dtype must be one of"):
+        ss.make_reducer("topka", comm, value_dtype="fp8")
+    with pytest.raises(ValueError, match="does not support value_dtype"):
+        ss.make_reducer("gtopk", comm, value_dtype="fp16")

@@ -16,7 +16,8 @@ Summation is in rank order, so every rank computes bitwise the same result:
 Pk)``, no pass over the ``n`` entries: the result stays a sparse vector while it is smaller), or, with
 ``dense=True`` (the ``topka`` reducer, which needs the dense sum anyway) and whenever a stream is
 dense, scatter-adds into a dense buffer, one ``index_add_`` per rank (indices within one rank are
-unique). Both give ``0 + v_0 + v_1 + ...`` per index.
+unique). Both give ``0 + v_0 + v_1 + ...`` per index. Values that travel in half precision
+(fp16/bf16, a reducer's ``value_dtype``) are summed in fp32, so no mass is lost in the sum.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
     out = torch.zeros(numel, dtype=dtype, device=device)
     for p in payloads:
         if isinstance(p, SparseVec):
-            out.index_add_(0, p.indices, p.values)
+            out.index_add_(0, p.indices, p.values.to(dtype))
         else:
             out += p
     return out
@@ -44,9 +45,10 @@ def allgather(sv: SparseVec, comm, dense: bool = False, **_):
     (SparseVec while the union is smaller than dense)."""
     bufs = comm.allgatherv(encode(sv))
     payloads = [decode(b, sv.numel, sv.dtype) for b in bufs]
+    acc_dtype = torch.promote_types(sv.dtype, torch.float32)  # half values on the wire: sum in fp32
     if dense:
-        return sum_in_rank_order(payloads, sv.numel, sv.dtype, sv.device)
-    return sum_streams(payloads, sv.numel, sv.dtype, sv.device)
+        return sum_in_rank_order(payloads, sv.numel, acc_dtype, sv.device)
+    return sum_streams(payloads, sv.numel, acc_dtype, sv.device)
 
 
 def allgather_cost(P, n, k, value_bytes=4, index_bytes=4, **_):

@@ -32,7 +32,11 @@ import torch
 
 from ..select.topk import check_density
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "VALUE_DTYPES"]
+
+#: ``value_dtype`` option -> dtype of the transmitted values (None: the gradient's own dtype)
+VALUE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP16_MAX = 65504.0  # largest finite float16: larger magnitudes are sent saturated, the rest kept
 
 
 def _storage_use_count(t: torch.Tensor) -> int | None:
@@ -47,8 +51,18 @@ class Reducer:
     name = "base"
     #: True when the conservation identity holds exactly (up to fp rounding) every step.
     conserving = True
+    #: True for reducers whose wire carries values as ``value_dtype`` (fp16/bf16): the values are
+    #: rounded before sending (:meth:`wire_values`), the rounding error stays in the residual
+    #: (:meth:`keep_unsent`), and the receivers sum in fp32, so conservation holds as before.
+    supports_value_dtype = False
 
-    def __init__(self, comm, density: float = 0.01, **options):
+    def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", **options):
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {', '.join(VALUE_DTYPES)}, got {value_dtype!r}")
+        if VALUE_DTYPES[value_dtype] is not None and not self.supports_value_dtype:
+            raise ValueError(f"reducer {self.name!r} does not support value_dtype={value_dtype!r} yet "
+                             "(its wire or its summation is not half-precision aware; see docs/sparcml.md)")
+        self.wire_dtype = VALUE_DTYPES[value_dtype]
         if options:
             raise TypeError(f"reducer {self.name!r} got unknown options: {', '.join(sorted(options))}")
         self.comm = comm
@@ -142,12 +156,28 @@ class Reducer:
         """Error feedback, first half: ``acc = grad + residual`` (a new tensor; one pass)."""
         return grad.clone() if self.residual is None else grad + self.residual
 
-    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor) -> None:
-        """Error feedback, second half: the residual becomes ``acc`` with the sent entries zeroed.
+    def wire_values(self, vals: torch.Tensor) -> torch.Tensor:
+        """The values as they travel: rounded to ``value_dtype`` (fp16 saturates at +-65504), or
+        unchanged for fp32. Pass the result to :meth:`keep_unsent` so the rounding error stays."""
+        if self.wire_dtype is None or vals.dtype == self.wire_dtype:
+            return vals
+        if self.wire_dtype == torch.float16:
+            vals = vals.clamp(-_FP16_MAX, _FP16_MAX)
+        return vals.to(self.wire_dtype)
 
+    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor | None = None) -> None:
+        """Error feedback, second half: the residual becomes ``acc`` minus what was sent.
+
+        ``sent_vals`` (the :meth:`wire_values` actually sent) when they are rounded: the entry keeps
+        ``acc - float(sent)``, exact in fp32 (a value and its fp16/bf16 rounding are within a factor
+        2 unless the rounding is 0 or saturated, and then the difference is a representable fp32),
+        so ``acc == residual + sent`` holds bitwise. Otherwise the sent entries are zeroed.
         Takes ownership of ``acc`` (modified in place; no extra pass over the gradient).
         """
-        acc[sent_idx] = 0
+        if sent_vals is None or sent_vals.dtype == acc.dtype:
+            acc[sent_idx] = 0
+        else:
+            acc[sent_idx] = acc[sent_idx] - sent_vals.to(acc.dtype)
         self.residual = acc
 
     #: how many earlier outputs :meth:`zeros_output` keeps for recycling (the caller typically
