@@ -125,3 +125,37 @@ def test_value_dtype_errors():
         ss.make_reducer("topka", comm, value_dtype="fp8")
     with pytest.raises(ValueError, match="does not support value_dtype"):
         ss.make_reducer("gtopk", comm, value_dtype="fp16")
+
+
+def _value_allreduce_steps(comm, name, value_dtype):
+    r = ss.make_reducer(name, comm, density=0.01, value_dtype=value_dtype)
+    g = torch.Generator().manual_seed(comm.rank)
+    rows = []
+    for _ in range(3):
+        grad = torch.randn(5000, generator=g)
+        before = torch.zeros(5000) if r.residual is None else r.residual.clone()
+        snap = comm.ledger.snapshot()
+        out = r.reduce(grad)
+        vals_bytes = comm.ledger.phases[f"{name}.values"].bytes_received
+        rows.append((grad + before, r.residual.clone(), out, vals_bytes, comm.ledger.since(snap)))
+    return rows, r.conserving
+
+
+@pytest.mark.parametrize("name", ["micro", "cltk"])
+def test_value_allreduce_reducers_in_half_precision(name):
+    P = 4
+    res = ss.run_local(_value_allreduce_steps, P, name, "bf16")
+    assert all(c is False for _, c in res)  # the half-precision sum is outside any residual: said so
+    for s in range(3):
+        sent = [res[r][0][s][0] - res[r][0][s][1] for r in range(P)]
+        for d in sent:  # each rank's own rounding stays in its residual, exactly
+            assert torch.equal(d.to(torch.bfloat16).float(), d)
+        outs = [res[r][0][s][2] for r in range(P)]
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        ref, mag = sum(sent), sum(d.abs() for d in sent)
+        assert bool(((outs[0] - ref).abs() <= 2 ** -6 * mag).all())  # P-1 bf16 roundings of partial sums
+    # value bytes: 2 per value in the ring all-reduce (cumulative over the 3 steps)
+    full = ss.run_local(_value_allreduce_steps, P, name, "fp32")
+    assert all(c is True for _, c in full)
+    for r in range(P):
+        assert res[r][0][-1][3] * 2 == full[r][0][-1][3] or name == "micro"  # micro's union can differ

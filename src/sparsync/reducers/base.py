@@ -55,6 +55,10 @@ class Reducer:
     #: rounded before sending (:meth:`wire_values`), the rounding error stays in the residual
     #: (:meth:`keep_unsent`), and the receivers sum in fp32, so conservation holds as before.
     supports_value_dtype = False
+    #: False for reducers that sum the half-precision values themselves in a dense all-reduce
+    #: (:meth:`allreduce_wire_values`): that sum rounds outside any residual, so an instance with
+    #: ``value_dtype`` fp16/bf16 reports ``conserving = False``.
+    value_dtype_conserving = True
 
     def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", **options):
         if value_dtype not in VALUE_DTYPES:
@@ -63,6 +67,8 @@ class Reducer:
             raise ValueError(f"reducer {self.name!r} does not support value_dtype={value_dtype!r} yet "
                              "(its wire or its summation is not half-precision aware; see docs/sparcml.md)")
         self.wire_dtype = VALUE_DTYPES[value_dtype]
+        if self.wire_dtype is not None and not self.value_dtype_conserving:
+            self.conserving = False
         if options:
             raise TypeError(f"reducer {self.name!r} got unknown options: {', '.join(sorted(options))}")
         self.comm = comm
@@ -164,6 +170,17 @@ class Reducer:
         if self.wire_dtype == torch.float16:
             vals = vals.clamp(-_FP16_MAX, _FP16_MAX)
         return vals.to(self.wire_dtype)
+
+    def allreduce_wire_values(self, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sent, sum over ranks) of values every rank holds at the same indices (MiCRO, CLT-k).
+
+        ``sent`` = :meth:`wire_values` (give it to :meth:`keep_unsent`); the sum is the ring
+        all-reduce of ``sent`` - in half precision with ``value_dtype`` fp16/bf16 (half the bytes;
+        the cross-rank rounding is not in any residual, hence ``value_dtype_conserving = False``;
+        summing in fp32 would need an all-gather, ``(P-1)*2`` instead of ``2(P-1)/P*2`` bytes per
+        value) - returned in ``vals``' dtype."""
+        sent = self.wire_values(vals)
+        return sent, self.comm.allreduce(sent).to(vals.dtype)
 
     def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor | None = None) -> None:
         """Error feedback, second half: the residual becomes ``acc`` minus what was sent.
