@@ -24,6 +24,8 @@ __all__ = [
     "sparse_is_smaller",
     "add",
     "as_dense",
+    "as_dtype",
+    "sum_dtype",
     "sum_streams",
     "encode",
     "decode",
@@ -212,22 +214,39 @@ def add(a: Payload, b: Payload) -> Payload:
       sparse result O(nnz_a + nnz_b).
     * either dense: scatter-add the sparse one into a copy of the dense one (1c/1d), or add (1b).
 
-    Never modifies its inputs. ``add(a, b)`` and ``add(b, a)`` are bitwise identical.
+    Half-precision operands are summed in fp32 (:func:`sum_dtype`). Never modifies its inputs.
+    ``add(a, b)`` and ``add(b, a)`` are bitwise identical.
     """
     na = a.numel if isinstance(a, SparseVec) else a.numel()
     nb = b.numel if isinstance(b, SparseVec) else b.numel()
     _check_same_numel(na, nb)
+    dt = sum_dtype(torch.promote_types(a.dtype, b.dtype))
+    a, b = as_dtype(a, dt), as_dtype(b, dt)
     if isinstance(a, SparseVec) and isinstance(b, SparseVec):
         if sparse_is_smaller(a.nnz + b.nnz, na, a.dtype):
             return _sparse_union(a, b)
         out = torch.zeros(na, dtype=a.dtype, device=a.device)
         out[a.indices] = a.values
-        return out.index_add_(0, b.indices, b.values.to(a.dtype))
+        return out.index_add_(0, b.indices, b.values)
     if isinstance(a, SparseVec):
-        return b.clone().index_add_(0, a.indices, a.values.to(b.dtype))
+        return b.clone().index_add_(0, a.indices, a.values)
     if isinstance(b, SparseVec):
-        return a.clone().index_add_(0, b.indices, b.values.to(a.dtype))
+        return a.clone().index_add_(0, b.indices, b.values)
     return a + b
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are computed in: at least float32 (fp16/bf16 values that travel in half
+    precision are summed in fp32, so no mass is lost in the sum), else ``dtype``."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def as_dtype(x: Payload, dtype: torch.dtype) -> Payload:
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, SparseVec):
+        return SparseVec(x.indices, x.values.to(dtype), x.numel, check=False)
+    return x.to(dtype)
 
 
 def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, device=None) -> Payload:

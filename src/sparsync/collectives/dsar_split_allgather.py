@@ -28,7 +28,7 @@ a non-power-of-two ``P`` adds one fold round.
 
 from __future__ import annotations
 
-from ..sparse import SparseVec
+from ..sparse import SparseVec, sum_dtype
 from .registry import register
 from .sparcml_common import (
     phase_label,
@@ -36,7 +36,7 @@ from .sparcml_common import (
     allgather_concat,
     as_stream,
     densify,
-    fold,
+    fold_active,
     num,
     padded_bounds,
     part_bounds,
@@ -59,7 +59,8 @@ def dsar_split_allgather(sv: SparseVec, comm, allgather: str = "ring", **_):
     x = as_stream(sv)
     if comm.world_size == 1:
         return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
+    f, x = fold_active(comm, x, sv.numel, sv.dtype)
+    sdt = sum_dtype(sv.dtype)
     # ring: parts of width ceil(N/P') so that the gathered buffer is the result (no reassembly)
     bounds = padded_bounds(sv.numel, f.Pp) if allgather == "ring" else part_bounds(sv.numel, f.Pp)
     acc = None
@@ -69,10 +70,10 @@ def dsar_split_allgather(sv: SparseVec, comm, allgather: str = "ring", **_):
             acc = densify(acc)
     if allgather == "ring":
         with comm.phase(phase_label(comm, "allgather")):
-            return ring_allgather_dense(comm, f, acc, bounds, lambda v: v, sv.dtype, sv.device)
+            return ring_allgather_dense(comm, f, acc, bounds, lambda v: v, sdt, sv.device)
     if f.active:
         with comm.phase(phase_label(comm, "allgather")):
-            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype, dense=True)
+            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sdt, dense=True)
     return unfold(comm, f, x, sv.numel, sv.dtype)
 
 

@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from ..sparse import SparseVec, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_streams
+from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
+                      sum_streams)
 
 __all__ = [
     "CostSim",
@@ -75,7 +76,8 @@ def stream_bytes(m: int, d: int, value_bytes: int = 4, index_bytes: int = 4, hea
 
 
 def exchange_stream(comm, x, partner: int, numel: int, dtype) -> object:
-    """Send payload ``x`` to ``partner`` and receive its payload (variable size, one round)."""
+    """Send payload ``x`` to ``partner`` and receive its payload (variable size, one round) of
+    values of ``dtype`` (partners in the same stage hold payloads of the same dtype)."""
     buf = comm.sendrecv(encode(x), partner, partner)
     return decode(buf, numel, dtype)
 
@@ -127,6 +129,16 @@ def fold(comm, x, numel: int, dtype) -> tuple[Fold, object]:
         return f, add(x, got)
 
 
+def fold_active(comm, x, numel: int, dtype) -> tuple[Fold, object]:
+    """:func:`fold`, and on a folded world every survivor's stream in the sum dtype: the paired
+    ranks now hold a sum (fp32 for half-precision values), and every stage of the algorithms
+    expects its partner's stream in its own dtype."""
+    f, x = fold(comm, x, numel, dtype)
+    if f.e and f.active:
+        x = as_dtype(x, sum_dtype(dtype))
+    return f, x
+
+
 def unfold(comm, f: Fold, result, numel: int, dtype):
     """Post-step: even ranks ``< 2e`` send the result back to their odd partner."""
     if f.e == 0 or comm.rank >= 2 * f.e:
@@ -135,7 +147,7 @@ def unfold(comm, f: Fold, result, numel: int, dtype):
         if comm.rank % 2 == 0:
             send_stream(comm, result, comm.rank + 1)
             return result
-        return recv_stream(comm, comm.rank - 1, numel, dtype)
+        return recv_stream(comm, comm.rank - 1, numel, sum_dtype(dtype))
 
 
 def run_folded(sv: SparseVec, comm, body):
@@ -146,7 +158,7 @@ def run_folded(sv: SparseVec, comm, body):
     x = as_stream(sv)
     if comm.world_size == 1:
         return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
+    f, x = fold_active(comm, x, sv.numel, sv.dtype)
     if f.active:
         x = body(x, f)
     return unfold(comm, f, x, sv.numel, sv.dtype)
@@ -225,8 +237,9 @@ def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtyp
     sizes = comm.exchange_sizes(sends, [peers[j] for j in order])
     handles = comm.post(sends, [(peers[j], sizes[peers[j]], torch.uint8) for j in order])
     dim = bounds[me + 1] - bounds[me]
-    got = [decode(h.wait(), dim, dtype) for h in handles]  # decoded while later ones are in flight
-    return sum_streams([parts[me]] + got, dim, dtype, x.device)
+    # every peer is in this rank's state (input dtype, or the sum dtype after a fold): decode as x
+    got = [decode(h.wait(), dim, x.dtype) for h in handles]  # decoded while later ones are in flight
+    return sum_streams([parts[me]] + got, dim, sum_dtype(dtype), x.device)
 
 
 def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False):

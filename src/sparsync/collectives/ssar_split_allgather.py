@@ -57,7 +57,7 @@ def ssar_split_allgather(sv: SparseVec, comm, **_):
     def body(x, f):
         bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
         with comm.phase(phase_label(comm, "allgather")):
-            return allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype)
+            return allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype)  # sums: >= fp32
 
     return run_folded(sv, comm, body)
 
