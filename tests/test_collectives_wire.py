@@ -188,3 +188,18 @@ def test_sparcml_half_values_conserve(P, algorithm):
         ref = torch.stack(sent).double().sum(0)
         assert torch.allclose(outs[0].double(), ref, rtol=1e-6, atol=1e-6)  # summed in fp32
     assert sum(r[0][3] for r in res) < sum(r[0][3] for r in full)  # fewer bytes than fp32 values
+
+
+def test_dense_reducer_leaves_input_or_reduces_in_place():
+    def fn(comm):
+        g = torch.full((6,), float(comm.rank + 1))
+        keep = ss.make_reducer("dense", comm)
+        out1 = keep.reduce(g)
+        out2 = keep.reduce(g)
+        donate = ss.make_reducer("dense", comm, inplace=True)
+        out3 = donate.reduce(g)
+        return g, out1, out2, out3 is g
+
+    for g, out1, out2, same in ss.run_local(fn, 3):
+        assert torch.equal(out1, torch.full((6,), 6.0)) and torch.equal(out2, out1)  # input untouched twice
+        assert same and torch.equal(g, torch.full((6,), 6.0))  # donated buffer holds the sum
