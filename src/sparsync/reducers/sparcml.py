@@ -39,6 +39,7 @@ SELECTIONS = ("topk", "bucketed", "bucketed_topk", "approx", "approx_at_most")
 
 @register("sparcml")
 class SparCMLReducer(Reducer):
+    supports_value_dtype = True  # half values on the wire (first stage), every sum in fp32
     def __init__(self, comm, density: float = 0.01, selection: str = "topk", algorithm: str = "auto",
                  bucket_size: int = 512, group_size: int = 8, seed: int = 0, dense_below: int = 0, **rest):
         super().__init__(comm, density=density, **rest)
@@ -58,11 +59,10 @@ class SparCMLReducer(Reducer):
         self.generator = make_generator(self.seed * 1_000_003 + comm.rank, comm.device)
 
     def _select(self, acc):
-        """``(idx, vals, sent)``: the pairs to transmit and the indices whose ``acc`` they carry."""
+        """``(idx, vals, real)``: the pairs to transmit; ``real`` marks those carrying ``acc`` (None: all)."""
         kb = max(1, round(self.density * self.bucket_size))
         if self.selection == "bucketed":
-            idx, vals, real = bucketed_sample(acc, kb, self.bucket_size, generator=self.generator)
-            return idx, vals, idx[real]
+            return bucketed_sample(acc, kb, self.bucket_size, generator=self.generator)
         if self.selection == "topk":
             idx, vals = topk_abs(acc, self.k)
         elif self.selection == "bucketed_topk":
@@ -71,7 +71,7 @@ class SparCMLReducer(Reducer):
             idx, vals = approx_topk(acc, self.k, generator=self.generator)
         else:
             idx, vals = approx_topk_at_most(acc, self.k, generator=self.generator)
-        return idx, vals, idx
+        return idx, vals, None
 
     def _reduce(self, grad):
         if self.numel < self.dense_below:
@@ -80,8 +80,12 @@ class SparCMLReducer(Reducer):
                 return self.comm.allreduce(grad)
         with self.timed("select"):
             acc = self.accumulate(grad)
-            idx, vals, sent = self._select(acc)
-            self.keep_unsent(acc, sent)
+            idx, vals, real = self._select(acc)
+            vals = self.wire_values(vals)
+            if real is None:
+                self.keep_unsent(acc, idx, vals)
+            else:  # bucketed padding carries no mass: acc stays there
+                self.keep_unsent(acc, idx[real], vals[real])
         self.stats["selected"] = idx.numel()
         opts = {"group_size": self.group_size} if self.algorithm in ("dsar_early_switch", "auto") else {}
         if self.algorithm == "auto" and self.selection in ("topk", "bucketed", "bucketed_topk"):
