@@ -20,7 +20,7 @@ class TopkAReducer(Reducer):
     def _reduce(self, grad):
         with self.timed("select"):
             acc = self.accumulate(grad)
-            idx, vals = topk_abs(acc, self.k)
+            idx, vals = topk_abs(acc, self.k, self.scratch)
             self.keep_unsent(acc, idx)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):

@@ -192,12 +192,16 @@ def partitioned_threshold_select(acc: torch.Tensor, delta: float, start: int, en
 
 
 def keep_largest(idx: torch.Tensor, absvals: torch.Tensor, cap: int) -> torch.Tensor:
-    """The ``cap`` indices of largest ``absvals`` (sorted ascending); all of them if fewer."""
+    """The ``cap`` indices of largest ``absvals`` (sorted ascending); all of them if fewer.
+
+    ``idx`` ascending; ties go to the lower indices (:func:`sparsync.select.exact.topk_indices`).
+    """
     cap = max(0, int(cap))
     if idx.numel() <= cap:
         return idx
-    _, keep = torch.topk(absvals, cap, sorted=False)
-    return torch.sort(idx[keep])[0]
+    from .exact import topk_indices  # exact imports this module's CHUNK
+
+    return idx[topk_indices(absvals, cap)]
 
 
 # ---------------------------------------------------------------------- per-step calibration
