@@ -125,21 +125,25 @@ def _reducers(args) -> int:
         rows = run_reducer_bench(reducers, _ints(args.world_sizes), int(float(args.numel)), args.density,
                                  _networks(args.bandwidth), steps=args.steps, warmup=args.warmup,
                                  seed=args.seed, timeout=args.timeout, fallback_loopback=args.fallback_loopback,
-                                 progress=not args.quiet)
+                                 progress=not args.quiet, pattern=args.pattern, residuals=_names(args.residual))
+    except ValueError as e:
+        raise SystemExit(f"sparsync bench reducers: {e}") from None
     except ClusterUnavailable as e:
         print(f"sparsync bench reducers: {e}", file=sys.stderr)
         return 2
     shown = [dict(r, numel=fmt_num(r["numel"]), select=fmt_ms(r.get("select_s")), comm=fmt_ms(r.get("comm_s")),
                   total=fmt_ms(r.get("total_s")), speedup=fmt_speedup(r.get("speedup")),
                   sent=fmt_bytes(r.get("bytes_sent")), achieved=f"{r.get('density', 0):.4g}") for r in rows]
-    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("reducer", "reducer"),
+    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("residual", "residual"),
+            ("reducer", "reducer"),
             ("select", "select ms"), ("comm", "comm ms"), ("total", "total ms"), ("speedup", "vs dense"),
             ("sent", "sent/rank"), ("achieved", "density")]
     print(format_table(shown, cols, markdown=args.markdown))
-    print(f"(target density {args.density:g}; median over {args.steps} steps of the max over ranks; "
-          f"total {time.perf_counter() - t0:.0f} s)")
+    print(f"(gradients {args.pattern}; target density {args.density:g}; median over {args.steps} steps of the "
+          f"max over ranks; total {time.perf_counter() - t0:.0f} s)")
     if args.csv:
-        write_csv(args.csv, rows, ["network", "world_size", "numel", "target_density", "reducer", "select_s",
+        write_csv(args.csv, rows, ["network", "world_size", "numel", "pattern", "residual", "target_density",
+                                   "reducer", "select_s",
                                    "comm_s", "total_s", "wall_s", "speedup", "bytes_sent", "bytes_received",
                                    "rounds", "messages", "density", "selected", "steps", "total_s_all"])
         print(f"wrote {args.csv}")
@@ -155,9 +159,12 @@ def register(subparsers) -> None:
     _common(a)
     a.add_argument("--numel", default="1e7", help="comma list of vector lengths (default 1e7)")
     a.add_argument("--densities", default="0.01,0.001", help="comma list of densities (default 0.01,0.001)")
-    a.add_argument("--patterns", default="random", help="comma list of random, identical, disjoint")
-    a.add_argument("--algorithms", default="dense,allgather,torch_sparse",
-                   help="comma list; 'all' = dense + every registered algorithm (dense is always added)")
+    a.add_argument("--patterns", default="random",
+                   help="comma list of random, identical, disjoint, heavy_tail (issue 11's workload: top-k of "
+                        "two alternated heavy-tailed gradients)")
+    a.add_argument("--algorithms", default="dense,plain_allgather,allgather,torch_sparse",
+                   help="comma list; 'all' = dense, plain_allgather + every registered algorithm "
+                        "(dense is always added)")
     a.add_argument("--repeats", type=int, default=5, help="timed steps per algorithm (default 5)")
     a.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm (default 1)")
     a.add_argument("--no-check", action="store_true", help="skip the exactness / cross-rank checks")
@@ -170,5 +177,11 @@ def register(subparsers) -> None:
     r.add_argument("--density", type=float, default=0.01)
     r.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
+    r.add_argument("--pattern", default="normal",
+                   help="gradients: 'normal' (3 seeded normal vectors, cycled) or 'heavy_tail' (issue 11's "
+                        "workload: two heavy-tailed gradients per rank, alternated)")
+    r.add_argument("--residual", default="keep",
+                   help="comma list of 'keep' (residual carried between calls, steady state) and 'reset' "
+                        "(residual zeroed before every call); one table block per mode (default keep)")
     r.set_defaults(func=_reducers)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
