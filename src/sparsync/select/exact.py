@@ -46,6 +46,7 @@ __all__ = ["scratch_buffer", "topk_indices", "topk_rows", "topk_select"]
 _SAMPLE = 65536
 _MIN_ROW = 1 << 15  # rows shorter than this take the exact path directly (as cheap)
 _MAX_FRACTION = 8  # k > bs / 8: the exact path directly (candidates would be most of the row)
+_SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile (8 // itemsize per word)
 
 
 def _check_k(k, bs: int) -> int:
@@ -136,7 +137,10 @@ def _sample_threshold(X: torch.Tensor, k: int) -> torch.Tensor:
     few candidates and takes the exact path).
     """
     m, bs = X.shape
-    stride = max(1, bs // _SAMPLE)
+    # sample size: reading it costs ~s cache misses, a loose bracket costs ~4 k / sqrt(f s) extra
+    # candidates in step 3; balanced at s ~ (k bs)^(1/3), within [4096, _SAMPLE]
+    want = min(_SAMPLE, max(4096, int(4.0 * (k * bs) ** (1.0 / 3.0))))
+    stride = max(1, bs // want)
     sample = X[:, ::stride].abs().nan_to_num_(nan=-1.0)
     s = sample.shape[1]
     f = k / bs
@@ -170,40 +174,57 @@ def _tiles(m: int, bs: int, chunk: int):
 def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted flat indices with ``|X[r, c]| >= t[r]`` and their magnitudes (step 2; one read of ``X``).
 
-    Per tile: ``|x|`` into a cache-resident float workspace, ``>= t`` into a byte workspace, then
-    ``nonzero`` over the bytes viewed as int64 words (eight flags per word: an eighth of the work)
-    and a second ``nonzero`` inside the few words that hold a flag.
+    Per tile, into cache-resident workspaces, then ``nonzero`` over the flags viewed as int64 words
+    (several flags per word: a fraction of the work) and a second ``nonzero`` inside the few words
+    that hold one:
+
+    * one row, fp32/fp64: ``hardshrink(x, t')`` with ``t'`` the float just below ``t`` (one fused
+      pass: ``x`` where ``|x| > t'``, i.e. ``|x| >= t``, else ``+0``); a word is two fp32 flags;
+    * otherwise (several rows per tile with their own ``t``, other dtypes): ``|x|`` then ``>= t``
+      into bytes; a word is eight flags.
+
+    NaN passes ``hardshrink``; such candidates are dropped here (NaN ranks below every number).
     """
     m, bs = X.shape
     if X.device.type != "cpu":
         flat = torch.nonzero((X.abs() >= t[:, None]).view(-1)).squeeze(1)
         return flat, X.view(-1)[flat].abs()
     size = min(CHUNK, m * bs)
-    wf = scratch_buffer(scratch, "exact_topk_abs", size, X.dtype, X.device)
+    wf = scratch_buffer(scratch, "exact_topk_abs", size + 1, X.dtype, X.device)
     wb = scratch_buffer(scratch, "exact_topk_flags", size + 8, torch.bool, X.device)  # offset 0: aligned
-    tt = t.to(X.dtype)[:, None]
+    tt = t.to(X.dtype)
+    below = torch.nextafter(tt, torch.zeros_like(tt)).tolist() if X.dtype in _SHRINK else None
+    tt = tt[:, None]
     outs, mags = [], []
     for start, rows, r0, c0, c1 in _tiles(m, bs, CHUNK):
         cols = c1 - c0
         L = rows * cols
-        w = wf[:L].view(rows, cols)
-        torch.abs(X[r0:r0 + rows, c0:c1], out=w)
-        torch.ge(w, tt[r0:r0 + rows], out=wb[:L].view(rows, cols))
-        Le = -(-L // 8) * 8
-        if Le != L:
+        if rows == 1 and below is not None:
+            per = 8 // X.element_size()  # elements per 64-bit word
+            torch.ops.aten.hardshrink.out(X[r0, c0:c1], below[r0], out=wf[:L])
+            flags, Le = wf, -(-L // per) * per
+            wf[L:Le] = 0.0
+        else:
+            per = 8
+            w = wf[:L].view(rows, cols)
+            torch.abs(X[r0:r0 + rows, c0:c1], out=w)
+            torch.ge(w, tt[r0:r0 + rows], out=wb[:L].view(rows, cols))
+            flags, Le = wb, -(-L // 8) * 8
             wb[L:Le] = False
-        words = torch.nonzero(wb[:Le].view(torch.int64)).squeeze(1)
+        words = torch.nonzero(flags[:Le].view(torch.int64)).squeeze(1)
         if words.numel() == 0:
             continue
-        ij = torch.nonzero(wb[:Le].view(-1, 8)[words])
-        local = words[ij[:, 0]] * 8 + ij[:, 1]
-        mags.append(wf[local])  # still in cache
+        ij = torch.nonzero(flags[:Le].view(-1, per)[words]) if per > 1 else None
+        local = words if ij is None else words[ij[:, 0]] * per + ij[:, 1]
+        mags.append(wf[local].abs())  # still in cache
         outs.append(local.add_(start))
     if not outs:
         return torch.empty(0, dtype=torch.int64, device=X.device), X.new_empty(0)
-    if len(outs) == 1:
-        return outs[0], mags[0]
-    return torch.cat(outs), torch.cat(mags)
+    flat, vals = (outs[0], mags[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(mags))
+    num = vals == vals
+    if not bool(num.all()):
+        flat, vals = flat[num], vals[num]
+    return flat, vals
 
 
 def _finish1(flat, vals, k: int) -> torch.Tensor:
