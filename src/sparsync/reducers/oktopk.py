@@ -99,7 +99,7 @@ class OkTopkReducer(Reducer):
         with comm.phase("oktopk:allgather"), self.timed("comm"):
             bufs = comm.allgatherv(pack(gi, gv)) if P > 1 else [pack(gi, gv)]
         with self.timed("select"):
-            out = torch.zeros(n, dtype=acc.dtype, device=acc.device)
+            out = self.zeros_output(n, acc.dtype, acc.device)  # recycled: no page faults
             self.stats["global_selected"] = sum(x.numel() for x in bufs) // pb
             fin = []
             for x in bufs:

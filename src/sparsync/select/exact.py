@@ -39,7 +39,9 @@ import operator
 
 import torch
 
-from .threshold import CHUNK
+#: elements per tile of the compaction pass (1 MiB of fp32: several ranks' workspaces fit the
+#: shared last-level cache together)
+CHUNK = 1 << 18
 
 __all__ = ["scratch_buffer", "topk_indices", "topk_rows", "topk_select"]
 

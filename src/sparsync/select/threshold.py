@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from .exact import topk_indices
+
 __all__ = [
     "CHUNK",
     "ThresholdController",
@@ -199,8 +201,6 @@ def keep_largest(idx: torch.Tensor, absvals: torch.Tensor, cap: int) -> torch.Te
     cap = max(0, int(cap))
     if idx.numel() <= cap:
         return idx
-    from .exact import topk_indices  # exact imports this module's CHUNK
-
     return idx[topk_indices(absvals, cap)]
 
 
