@@ -106,9 +106,19 @@ class OkTopkReducer(Reducer):
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
                 out[fi[0]] = fv[0]
                 fin.append(fi[0])
-            sent = idx[torch.isin(idx, torch.cat(fin))]
+            sent = idx[self._in_global_set(idx, torch.cat(fin), n)]
             self.keep_unsent(acc, sent)  # own values outside the global set stay (end-procedure)
         return out
+
+    def _in_global_set(self, idx: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
+        """``isin(idx, kept)`` in O(k) through a persistent all-False flag vector (no sort of k)."""
+        flags = self.__dict__.get("_flags")
+        if flags is None or flags.numel() != n or flags.device != idx.device:
+            flags = self._flags = torch.zeros(n, dtype=torch.bool, device=idx.device)
+        flags[kept] = True
+        hit = flags[idx]
+        flags[kept] = False  # all False again for the next step
+        return hit
 
     def _global_threshold(self, mags: torch.Tensor, k: int) -> float:
         """The ``k``-th largest reduced magnitude over all regions, to 12 bits, from two small all-reduces.
