@@ -130,3 +130,11 @@ def test_bad_input_is_named():
     with pytest.raises(TypeError, match="floating-point"):
         topk_rows(torch.ones(2, 5, dtype=torch.int64), 1)
     assert topk_rows(torch.randn(0, 5), 2).shape == (0, 2)
+
+
+def test_bench_select_exact_part(capsys):
+    from sparsync.cli import main
+
+    assert main(["bench-select", "--parts", "exact", "--sizes", "5e4", "--densities", "0.01", "--repeat", "1"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| 5e+04 | 0.01 | 500 |") and row.endswith("| True |")
