@@ -64,7 +64,7 @@ class SparCMLReducer(Reducer):
         if self.selection == "bucketed":
             return bucketed_sample(acc, kb, self.bucket_size, generator=self.generator)
         if self.selection == "topk":
-            idx, vals = topk_abs(acc, self.k)
+            idx, vals = topk_abs(acc, self.k, self.scratch)
         elif self.selection == "bucketed_topk":
             idx, vals = bucketed_topk(acc, kb, self.bucket_size)
         elif self.selection == "approx":
