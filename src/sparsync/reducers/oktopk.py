@@ -178,19 +178,24 @@ class OkTopkReducer(Reducer):
         self.th_local, self.th_global, self.bounds = s.get("th_local"), s.get("th_global"), s.get("bounds")
 
     @classmethod
-    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, **_):
-        """This code's ledger on a steady-state step (no threshold re-evaluation, no re-balancing),
-        maximum over ranks: ``2(P-1)`` rounds (``alltoallv`` + ring ``allgatherv``); bytes depend on
-        where the selected indices fall, so they are bounds, from the per-rank selected ``counts``
-        (default ``k`` each): the ``alltoallv`` brings at most every other rank's selection
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, recompute_every=1, **_):
+        """This code's ledger on a step without re-balancing, maximum over ranks: ``2(P-1)`` rounds
+        (``alltoallv`` + ring ``allgatherv``), plus, on a threshold step (every step with the default
+        ``recompute_every=1``), two ring all-reduces of ``_TH_BINS`` float64 counts (``4(P-1)`` rounds,
+        ``2 * 2(P-1) 8 _TH_BINS / P`` bytes; one when fewer than ``k`` entries exist at all). Data bytes
+        depend on where the selected indices fall, so they are bounds, from the per-rank selected
+        ``counts`` (default ``k`` each): the ``alltoallv`` brings at most every other rank's selection
         (``sum - min``), the ``allgatherv`` at most ``P-1`` region lists of at most ``sum`` entries.
-        Re-evaluation steps add two small all-reduces, balancing steps one. The paper's Table I
-        figures are :meth:`table_cost`."""
+        Balancing steps add one small all-reduce. The paper's Table I figures are :meth:`table_cost`."""
         if P <= 1:
             return {"rounds": 0, "bytes_received": 0}
         c = [k] * P if counts is None else [int(x) for x in counts]
         pb = index_bytes + value_bytes
-        return {"rounds": 2 * (P - 1), "bytes_received": (0, (sum(c) - min(c) + (P - 1) * sum(c)) * pb)}
+        rounds, extra = 2 * (P - 1), 0
+        if int(recompute_every) == 1:
+            rounds += 4 * (P - 1)
+            extra = 2 * (2 * (P - 1) * 8 * _TH_BINS // P)
+        return {"rounds": rounds, "bytes_received": (extra, extra + (sum(c) - min(c) + (P - 1) * sum(c)) * pb)}
 
     @staticmethod
     def table_cost(P, k):
