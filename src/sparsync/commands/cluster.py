@@ -3,7 +3,9 @@
 ``smoke`` builds an :class:`~sparsync.cluster.EmulatedCluster`, runs a correctness all-reduce and a
 timed dense all-reduce on it and prints the measured throughput per link next to the ring model
 (``2(P-1)/P * bytes`` over each link, ``spec/README.md`` §2). ``cleanup`` deletes every namespace
-with the ``ssync`` prefix whose creating process is gone (``--all``: also live ones).
+with the ``ssync`` prefix whose creating process is gone, ends rank processes (``ss<pid>r<rank>``)
+whose launcher is gone and removes their ``sparsync-store-<pid>-*`` directories (``--all``: also
+those of live runs).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def _cleanup(args) -> int:
 
     reason = netns_unavailable_reason()
     if reason:
-        print(f"sparsync cluster cleanup: {reason}", file=sys.stderr)
-        return 2
-    removed = cleanup_stale(all_instances=args.all)
+        print(f"sparsync cluster cleanup: namespaces skipped ({reason}); rank processes and stores only",
+              file=sys.stderr)
+    removed = cleanup_stale(all_instances=args.all, namespaces=reason is None)
     if removed:
         print("removed: " + ", ".join(removed))
     else:
@@ -116,7 +118,7 @@ def register(subparsers) -> None:
     s.add_argument("--fallback-loopback", action="store_true",
                    help="run on loopback (with a warning) when namespaces cannot be created")
     s.set_defaults(func=_smoke)
-    c = sub.add_parser("cleanup", help="remove namespaces left by crashed runs (prefix 'ssync')")
-    c.add_argument("--all", action="store_true", help="also remove namespaces of runs still alive")
+    c = sub.add_parser("cleanup", help="remove namespaces, rank processes and stores left by crashed runs")
+    c.add_argument("--all", action="store_true", help="also remove those of runs still alive")
     c.set_defaults(func=_cleanup)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

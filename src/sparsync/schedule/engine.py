@@ -193,7 +193,9 @@ class OverlapEngine:
             self.reducers.append(r)
 
     def _new_reducer(self):
-        return make_reducer(self.reducer_name, self.comm, self.density, **self.reducer_options)
+        # _prepare already checked every gradient for NaN/Inf (self.nonfinite): the reducer need not
+        return make_reducer(self.reducer_name, self.comm, self.density, **{**self.reducer_options,
+                                                                            "nonfinite": "ignore"})
 
     def _switch_plan(self):
         """End of profiling: same inputs on every rank -> same plan on every rank."""
