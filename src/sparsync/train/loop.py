@@ -76,6 +76,10 @@ def validate(cfg: TrainConfig):
     cfg.fill_defaults(wl)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+    if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {cfg.batch_size!r}")
+    if not isinstance(cfg.keep_checkpoints, int) or cfg.keep_checkpoints < 0:
+        raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints!r}")
     return wl
 
 

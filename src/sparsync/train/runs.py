@@ -279,7 +279,12 @@ def save_checkpoint(path: Path, cfg: TrainConfig, rank: int, step: int, state: d
 
 def _save_failed(path: Path, e: BaseException) -> str:
     what = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
-    hint = " (disk full?)" if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (free is not None and free < 1 << 20)
+    hint = f" (disk full? {free} bytes free there)" if full else ""
     return (f"could not write checkpoint {path}: {what}{hint}; the previous complete checkpoint "
             f"(checkpoints/latest) stays the one --resume uses")
 
