@@ -55,7 +55,7 @@ import torch
 from .threadcomm import RankAborted, ThreadWorld
 
 __all__ = ["run_local", "comm_from_env", "torchrun_main", "RankFailed", "on_orphan", "STORE_PREFIX",
-           "rank_process_name"]
+           "rank_process_name", "peer_table", "lost_peer_error"]
 
 STORE_PREFIX = "sparsync-store-"
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
@@ -442,8 +442,67 @@ def comm_from_env(backend: str | None = None, timeout: float = 300.0):
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
+        # under `torchrun --max-restarts` every attempt shares the agent's store: keys of a dead
+        # attempt (its ranks' gloo addresses) would make the next attempt connect to dead ports
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"sparsync/attempt{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
     return TorchComm()
+
+
+def peer_table(comm) -> list[tuple[str, int]]:
+    """(host name, pid) of every rank, in rank order (one all-gather at start; for :func:`lost_peer_error`)."""
+    import socket
+
+    import torch.distributed as dist
+
+    out: list = [None] * comm.world_size
+    dist.all_gather_object(out, (socket.gethostname(), os.getpid()))
+    return [tuple(x) for x in out]
+
+
+def lost_peer_error(exc: BaseException, peers, rank: int) -> BaseException:
+    """Turn gloo's "Connection closed by peer [addr]:port" on a survivor into a RankFailed that
+    names the lost rank: a peer on this host whose process is gone (checked for 2 s), else the
+    ranks on other hosts it may have been. Other errors are returned unchanged."""
+    import socket
+
+    text = str(exc)
+    if not isinstance(exc, RuntimeError) or not any(
+            w in text for w in ("Connection closed by peer", "Connection reset by peer", "Read error",
+                                "Broken pipe", "Connection refused", "Timed out", "timed out")):
+        return exc
+    host = socket.gethostname()
+    local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
+    end = time.monotonic() + 2.0
+    gone = []
+    while not gone and time.monotonic() < end:
+        gone = [r for r, pid in local.items() if not _process_alive(pid)]
+        if not gone:
+            time.sleep(0.1)
+    first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+    if gone:
+        what = ", ".join(f"rank {r} (pid {local[r]} on {host})" for r in gone)
+        return RankFailed(f"rank {rank}: lost {what}: its process is gone; gloo said: {first}")
+    remote = sorted(r for r, (h, _) in enumerate(peers) if h != host)
+    where = f"one of ranks {remote} on other hosts" if remote else "a peer whose process is still alive"
+    return RankFailed(f"rank {rank}: lost the connection to {where}; gloo said: {first}")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc")
 
 
 def torchrun_main(fn: Callable, *args, backend: str | None = None, **kwargs):

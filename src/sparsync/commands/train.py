@@ -155,7 +155,7 @@ def _run_torchrun(cfg, args) -> int:
     """One process of a torchrun job: rank 0 prepares the run directory, every rank trains."""
     import torch.distributed as dist
 
-    from ..launch import comm_from_env
+    from ..launch import comm_from_env, lost_peer_error, peer_table
     from ..train.loop import train_worker, validate
     from ..train.runs import CheckpointError, RunDir, RunExists
 
@@ -184,7 +184,11 @@ def _run_torchrun(cfg, args) -> int:
         dist.destroy_process_group()
         raise (RunExists if got["kind"] == "RunExists" else CheckpointError)(got["error"])
     resume_info = got["resume"]
-    summary = train_worker(comm, cfg.to_dict(), path, resume_info)
+    peers = peer_table(comm)
+    try:
+        summary = train_worker(comm, cfg.to_dict(), path, resume_info)
+    except RuntimeError as e:  # a survivor of a lost rank: name it instead of gloo's peer address
+        raise lost_peer_error(e, peers, comm.rank) from e
     if comm.rank == 0:
         RunDir(path).write_summary(summary)
         _print_summary(summary, cfg)

@@ -253,5 +253,5 @@ class Reducer:
         for i, what in enumerate(("gradient numel", "gradient dtype", "density")):
             vals = [row[i] for row in rows]
             if len(set(vals)) > 1:
-                raise ValueError(f"rank {self.comm.rank}: {self.name}.reduce: ranks disagree on the {what}: "
+                raise ValueError(f"rank {self.comm.rank}: {self.name}.reduce: {what} differs across ranks: "
                                  + ", ".join(f"rank {r}: {show[i](v)}" for r, v in enumerate(vals)))

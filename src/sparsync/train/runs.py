@@ -297,8 +297,12 @@ def load_checkpoint(path: Path, cfg: TrainConfig, rank: int) -> dict:
     try:  # weights_only: tensors and plain containers only - a crafted file cannot run code
         blob = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
+        found = re.search(r"(?i)(unsupported global[^\n]*)", str(e))  # an object torch refused to build
+        if found is None:  # not a refused object: the bytes are just not a checkpoint
+            raise CheckpointError(f"checkpoint {path} is corrupt or not a sparsync checkpoint "
+                                  f"(UnpicklingError)") from None
         raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data; refusing "
-                              f"to load it (it could run code): {str(e).splitlines()[0][:200]}") from None
+                              f"to load it (it could run code): {found.group(1)[:200]}") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
         raise CheckpointError(f"checkpoint {path} is corrupt or not a sparsync checkpoint "
                               f"({type(e).__name__}: {str(e)[:200]})") from None
