@@ -361,9 +361,10 @@ def _kill_case(name, victim, sig=signal.SIGKILL, extra=()):
         return "silent wrong", f"left after 5 s: {left}"
     last = err.splitlines()[-1] if err else ""
     if victim == "launcher":
-        return "recovers", f"launcher exit {rc}; every rank, the reaper and the store gone after {took:.1f} s"
+        return "recovers", (f"launcher exit {rc}; every rank, the reaper and the store gone {took:.1f} s after "
+                            "the launcher ended")
     if rc == 1 and f"rank {victim}" in last and "Traceback" not in err:
-        return "clean error", f"exit 1: {last}; nothing left after {took:.1f} s"
+        return "clean error", f"exit 1: {last}; nothing left {took:.1f} s after the launcher ended"
     return "unclear error", f"exit {rc}: {err[-300:]}"
 
 
@@ -436,7 +437,8 @@ def run_cases(only: str | None = None) -> list[tuple[str, str, str, str]]:
             t.start()
             t.join(limit)
             outcome, detail = box.get("out", ("hang", f"no answer within {limit:.0f} s"))
-            rows.append((kind, what, outcome, detail.replace("|", "\\|").replace("\n", " ")))
+            detail = detail.replace(tmp, "<tmp>").replace("|", "\\|").replace("\n", " ")
+            rows.append((kind, what, outcome, detail if len(detail) <= 240 else detail[:237] + "..."))
             print(f"[{time.monotonic() - t0:5.1f}s] {outcome:13s} {what}", file=sys.stderr)
     return rows
 
