@@ -357,20 +357,18 @@ def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_metho
             _stop_reaper(reaper)
 
 
+def proc_state(pid: int) -> str | None:
+    """The kernel's state letter of ``pid`` (R, S, T = stopped, Z = zombie, ...); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _stopped_ranks(procs, but: int | None = None) -> list[int]:
     """Ranks whose process is stopped (SIGSTOP, ^Z, a debugger): state T or t in /proc/<pid>/stat."""
-    out = []
-    for r, p in enumerate(procs):
-        if r == but:
-            continue
-        try:
-            with open(f"/proc/{p.pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state in ("T", "t"):
-            out.append(r)
-    return out
+    return [r for r, p in enumerate(procs) if r != but and proc_state(p.pid) in ("T", "t")]
 
 
 def _blame_stopped(procs, world_size, r, what: str) -> None:
@@ -492,17 +490,8 @@ def lost_peer_error(exc: BaseException, peers, rank: int) -> BaseException:
 
 
 def _process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc")
+    """Exists and is not a zombie."""
+    return proc_state(pid) not in (None, "Z", "X")
 
 
 def torchrun_main(fn: Callable, *args, backend: str | None = None, **kwargs):

@@ -289,9 +289,6 @@ def _prune():
 
 # ---------------------------------------------------------------------- processes
 def _launch_and_kill(name, victim, sig=signal.SIGKILL, extra=()):
-    from .cluster import PREFIX, list_namespaces
-    from .launch import STORE_PREFIX
-
     metrics = Path(_TMP) / name / "metrics.jsonl"
     cmd = [sys.executable, "-m", "sparsync.cli", "train", "--workload", "digits-mlp", "--workload-option",
            "width=16", "--reducer", "micro", "--workers", "2", "--steps", "100000", "--eval-every", "100000",
@@ -303,8 +300,8 @@ def _launch_and_kill(name, victim, sig=signal.SIGKILL, extra=()):
             if len(metrics.read_text().splitlines()) >= 2:
                 break
         time.sleep(0.02)
-    ranks = _ranks(p.pid)
-    below = _descendants(p.pid)
+    ranks = rank_pids(p.pid)
+    below = descendants(p.pid)
     os.kill(p.pid if victim == "launcher" else ranks[victim], sig)
     try:
         _, err = p.communicate(timeout=60)
@@ -312,44 +309,60 @@ def _launch_and_kill(name, victim, sig=signal.SIGKILL, extra=()):
         p.kill()
         return "hang", "launcher did not end within 60 s"
     t0 = time.monotonic()
-    while time.monotonic() - t0 < 5:
-        left = [x for x in below if _alive(x)]
-        left += glob.glob(os.path.join(tempfile.gettempdir(), f"{STORE_PREFIX}{p.pid}-*"))
-        left += [n for n in list_namespaces() if n.startswith(f"{PREFIX}{p.pid}s")]
-        if not left:
-            break
-        time.sleep(0.05)
+    left = wait_clean(p.pid, below, 5.0)
     return p.returncode, err.strip(), left, time.monotonic() - t0
 
 
-def _ranks(pid):
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of a launcher's live rank processes (named ``ss<launcher pid>r<rank>``)."""
     out = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
-            m = re.fullmatch(rf"ss{pid}r(\d+)", Path(f"/proc/{d}/comm").read_text().strip())
-            if m:
+            m = re.fullmatch(rf"ss{launcher_pid}r(\d+)", Path(f"/proc/{d}/comm").read_text().strip())
+            if m and alive(int(d)):
                 out[int(m.group(1))] = int(d)
     return out
 
 
-def _descendants(pid):
-    kids = {}
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...)."""
+    kids: dict[int, list[int]] = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError, IndexError, ValueError):
             kids.setdefault(int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d))
     out, todo = [], [pid]
     while todo:
         for c in kids.get(todo.pop(), []):
-            out += [c]
-            todo += [c]
+            out.append(c)
+            todo.append(c)
     return out
 
 
-def _alive(pid):
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie (a zombie runs nothing and holds nothing)."""
+    from .launch import proc_state
+
+    return proc_state(pid) not in (None, "Z", "X")
+
+
+def leftovers(launcher_pid: int, pids) -> dict:
+    """What a launcher left: live processes among ``pids``, its stores, its namespaces (empty lists: nothing)."""
+    from .cluster import PREFIX, list_namespaces
+    from .launch import STORE_PREFIX
+
+    return {"processes": [p for p in pids if alive(p)],
+            "stores": glob.glob(os.path.join(tempfile.gettempdir(), f"{STORE_PREFIX}{launcher_pid}-*")),
+            "namespaces": [n for n in list_namespaces() if n.startswith(f"{PREFIX}{launcher_pid}s")]}
+
+
+def wait_clean(launcher_pid: int, pids, timeout: float = 5.0) -> dict:
+    """Poll until nothing is left ({}) or ``timeout`` passes (then what is left)."""
+    end = time.monotonic() + timeout
+    while True:
+        left = {k: v for k, v in leftovers(launcher_pid, pids).items() if v}
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
 
 
 def _kill_case(name, victim, sig=signal.SIGKILL, extra=()):
