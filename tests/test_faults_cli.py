@@ -60,3 +60,25 @@ def _stop_worker(comm):
 def test_sigstopped_rank_is_named_not_the_one_that_timed_out():
     with pytest.raises(RankFailed, match=r"rank 1 of 3 stopped responding \(process stopped by SIGSTOP"):
         ss.run_local(_stop_worker, 3, backend="gloo", timeout=4)
+
+
+def test_torchrun_survivor_names_the_lost_rank():
+    import socket
+    import subprocess
+    import sys
+
+    from sparsync.launch import lost_peer_error
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    peers = [(host, os.getpid()), (host, os.getpid()), (host, dead.pid), ("other-node", 1)]
+    gloo = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:23259. This is typically ...")
+    e = lost_peer_error(gloo, peers, 0)
+    assert isinstance(e, RankFailed)
+    assert str(e).startswith(f"rank 0: lost rank 2 (pid {dead.pid} on {host}): its process is gone")
+    alive_peers = [(host, os.getpid()), ("other-node", 1), ("other-node", 2)]
+    e = lost_peer_error(gloo, alive_peers, 0)
+    assert "one of ranks [1, 2] on other hosts" in str(e)
+    other = ValueError("not a connection problem")
+    assert lost_peer_error(other, peers, 0) is other

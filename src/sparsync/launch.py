@@ -338,11 +338,13 @@ def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_metho
     with _signals_stop_ranks():
         try:
             reaper = _start_reaper(tmp)
+            # a forked rank inherits the reaper's pipe and must close it; a spawned one does not
+            inherited = reaper[1] if reaper and ctx.get_start_method() == "fork" else None
             for r in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child, name=rank_process_name(os.getpid(), r),
                                 args=(r, world_size, store_path, child_end, fn, args, kwargs, timeout, placement,
-                                      os.getpid(), reaper[1] if reaper else None))
+                                      os.getpid(), inherited))
                 p.daemon = True
                 p.start()
                 child_end.close()
