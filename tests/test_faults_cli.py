@@ -83,3 +83,17 @@ def test_torchrun_survivor_names_the_lost_rank():
     assert "one of ranks [1, 2] on other hosts" in str(e)
     other = ValueError("not a connection problem")
     assert lost_peer_error(other, peers, 0) is other
+
+
+def _die_worker(comm):
+    for i in range(100_000):
+        if comm.rank == 1 and i == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        comm.allreduce(torch.ones(4))
+
+
+@pytest.mark.gloo
+def test_killed_rank_is_named_not_the_peer_that_lost_its_connection():
+    for _ in range(3):  # whichever the launcher hears first: the EOF of rank 1 or rank 0's gloo error
+        with pytest.raises(RankFailed, match=r"^rank 1 of 3 died without reporting \(killed by SIGKILL\)"):
+            ss.run_local(_die_worker, 3, backend="gloo", timeout=30)

@@ -383,6 +383,35 @@ def _blame_stopped(procs, world_size, r, what: str) -> None:
                          f"{what}")
 
 
+def _how_died(p) -> str:
+    code = p.exitcode
+    if code is not None and code < 0 and -code in signal.valid_signals():
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+_CONNECTION_WORDS = ("Connection closed by peer", "Connection reset by peer", "Read error", "Broken pipe",
+                     "Connection refused", "Timed out", "timed out")
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and any(w in str(exc) for w in _CONNECTION_WORDS)
+
+
+def _blame_dead(procs, world_size, r, what: str, wait_s: float = 2.0) -> None:
+    """A rank killed outright makes its peers fail with gloo's "Connection closed by peer": when a
+    peer of ``r`` has exited (within ``wait_s``) name it, not the rank that lost its connection."""
+    end = time.monotonic() + wait_s
+    while True:
+        dead = [s for s, p in enumerate(procs) if s != r and p.exitcode not in (None, 0)]
+        if dead or time.monotonic() >= end:
+            break
+        time.sleep(0.05)
+    if dead:
+        who = "; ".join(f"rank {s} of {world_size} died without reporting ({_how_died(procs[s])})" for s in dead)
+        raise RankFailed(f"{who}; {what}")
+
+
 def _collect(procs, conns, world_size, deadline_s):
     results: list[Any] = [None] * world_size
     pending = {c: r for r, c in enumerate(conns)}
@@ -400,16 +429,15 @@ def _collect(procs, conns, world_size, deadline_s):
                 data = c.recv_bytes()
             except (EOFError, OSError):
                 procs[r].join(timeout=2)
-                code = procs[r].exitcode
-                how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
-                    and -code in signal.valid_signals() else f"exit code {code}"
-                raise RankFailed(f"rank {r} of {world_size} died without reporting ({how})") from None
+                raise RankFailed(f"rank {r} of {world_size} died without reporting ({_how_died(procs[r])})") from None
             # our own forked child's report (exception objects included): trusted, not a file
             status, value = torch.load(io.BytesIO(data), weights_only=False)
             if status == "error":
                 exc, tb = value
-                _blame_stopped(procs, world_size, r, f"rank {r} then failed: {type(exc).__name__}: "
-                                                     f"{str(exc).splitlines()[0] if str(exc) else ''}")
+                then = f"rank {r} then failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                _blame_stopped(procs, world_size, r, then)
+                if _is_connection_error(exc):  # a peer that died makes the others lose their connections
+                    _blame_dead(procs, world_size, r, then)
                 _kill_all(procs)
                 raise _name_rank(exc, r, world_size, tb)
             results[r] = value
@@ -470,9 +498,7 @@ def lost_peer_error(exc: BaseException, peers, rank: int) -> BaseException:
     import socket
 
     text = str(exc)
-    if not isinstance(exc, RuntimeError) or not any(
-            w in text for w in ("Connection closed by peer", "Connection reset by peer", "Read error",
-                                "Broken pipe", "Connection refused", "Timed out", "timed out")):
+    if not _is_connection_error(exc):
         return exc
     host = socket.gethostname()
     local = {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != rank}
