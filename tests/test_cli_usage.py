@@ -129,6 +129,8 @@ OTHER_ERRORS = [
     (["bench-select", "--parts", "bogus"], "--parts: unknown bogus"),
     (["train-linear", "--algorithm", "nope", "--backend", "thread"], "unknown --algorithm 'nope'"),
     (["train-linear", "--batch-size", "0"], "positive integer"),
+    (["cluster", "smoke", "--bandwidth", "1gbps"], "ambiguous"),
+    (["run-default", "--steps", "0"], "positive integer"),
     (["nosuchcommand"], "invalid choice"),
 ]
 

@@ -108,11 +108,11 @@ def register(subparsers) -> None:
                               description=__doc__)
     sub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
     s = sub.add_parser("smoke", help="all-reduce on an emulated cluster and print the throughput")
-    from . import WORKERS, deprecated_alias
+    from . import NETWORK, WORKERS, deprecated_alias
 
     s.add_argument("--workers", type=WORKERS, default=2, help="number of ranks")
     deprecated_alias(s, "--world-size", "--workers", "workers", WORKERS)
-    s.add_argument("--bandwidth", default="1gbit",
+    s.add_argument("--bandwidth", type=NETWORK, default="1gbit",
                    help="per-link rate, e.g. 1gbit, 100mbit; 'none' = namespaces without a limit; "
                         "'loopback' = no namespaces (default 1gbit)")
     s.add_argument("--numel", default="2.5e6", help="float32 elements to all-reduce (default 2.5e6 = 10 MB)")

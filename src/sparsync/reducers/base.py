@@ -245,6 +245,11 @@ class Reducer:
             acc[sent_idx] = acc[sent_idx] - sent_vals.to(acc.dtype)
         self.residual = acc
 
+    @property
+    def scratch(self) -> dict:
+        """Selection workspaces kept across steps (``sparsync.select.exact.scratch_buffer``)."""
+        return self.__dict__.setdefault("_scratch", {})
+
     #: how many earlier outputs :meth:`zeros_output` keeps for recycling (the caller typically
     #: still holds the previous one while the next step runs, so 2)
     output_pool_size = 2
