@@ -22,10 +22,12 @@ PREFERRED = [("micro", 0.01), ("s2", 0.01), ("cltk", 0.01), ("spardl", 0.01), ("
 
 def register(sub) -> None:
     p = sub.add_parser("run-default", help="the default comparison `make run` shows (about 3 minutes)")
-    p.add_argument("--steps", type=int, default=100)
+    from . import WORKERS
+
+    p.add_argument("--steps", type=WORKERS, default=100, help="training steps per configuration")
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--loopback", action="store_true", help="force loopback even when root")
-    p.add_argument("--sparse", type=int, default=3, help="how many sparse reducers (default 3)")
+    p.add_argument("--sparse", type=WORKERS, default=3, help="how many sparse reducers (default 3)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
 
