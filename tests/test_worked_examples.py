@@ -79,15 +79,23 @@ def test_s2_worker_a_every_cell_and_median():
 
 def test_s2_two_workers_through_the_reducer():
     """Two ranks, block size 2, r x c = 3 x 4 with the example's hashes injected: one SUM all-reduce of
-    [sketch | bitmap], the union blocks queried. Rank A keeps its 3 non-zero blocks, rank B its 2."""
+    [sketch | bitmap], the union blocks queried. Rank A keeps its 3 non-zero blocks, rank B its 2 (the
+    example's per-rank block budgets are injected like its hashes; the density is the same)."""
 
     class ExampleS2(S2Reducer):
+        example_blocks = 0
+
         def sketch_for(self, expected_nnz, call=None, numel=None):
             return _s2_example_sketch()
 
+        @property
+        def kblocks(self):
+            return self.example_blocks
+
     def fn(comm):
-        g, dens = (S2_A, 0.5) if comm.rank == 0 else (S2_B, 2 / 6)
-        r = ExampleS2(comm, density=dens, rows=3, columns=4, block_size=2)
+        g, blocks = (S2_A, 3) if comm.rank == 0 else (S2_B, 2)
+        r = ExampleS2(comm, density=0.5, rows=3, columns=4, block_size=2)
+        r.example_blocks = blocks
         grad = torch.zeros(12, dtype=torch.float64)
         idx, val = _sv(g)
         grad[idx] = val
