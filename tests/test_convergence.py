@@ -169,3 +169,12 @@ def test_gloo_bitwise_across_ranks_and_resume(P, reducer):
     assert all(torch.equal(w, whole[0]) for w in whole + resumed)
     plain = ss.run_local(_train, P, reducer, 10, -1, {}, backend="gloo", timeout=120)
     assert not torch.equal(plain[0], whole[0])  # the options did change the trajectory
+
+
+def test_regroup_carries_velocity_per_parameter():
+    pol = GradientPolicy(momentum=0.5, masking=False)
+    numels = [2, 3, 4]
+    pol.velocity = {0: torch.tensor([1.0, 2, 3, 4, 5]), 1: torch.tensor([6.0, 7, 8, 9])}  # groups [0,1], [2]
+    pol.on_regroup([[0, 1], [2]], [[2, 0], [1]], numels)
+    assert torch.equal(pol.velocity[0], torch.tensor([6.0, 7, 8, 9, 1, 2]))
+    assert torch.equal(pol.velocity[1], torch.tensor([3.0, 4, 5]))

@@ -149,6 +149,24 @@ class GradientPolicy:
         else:
             u.masked_fill_(res.reshape(u.shape) == 0, 0)
 
+    def on_regroup(self, old_groups, new_groups, numels) -> None:
+        """The engine changed its merge plan (``mgwfbp``/``optimal`` after profiling): carry every
+        parameter's velocity from its old group to its new one (groups are lists of parameter
+        indices, laid out in that order; ``numels[i]`` = size of parameter ``i``)."""
+        if not self.velocity:
+            return
+        pieces = {}
+        for key, u in self.velocity.items():
+            idx = list(old_groups[key])
+            for i, piece in zip(idx, torch.split(u, [numels[i] for i in idx])):
+                pieces[i] = piece
+        new = {}
+        for key, idx in enumerate(new_groups):
+            if any(i in pieces for i in idx):
+                like = next(pieces[i] for i in idx if i in pieces)
+                new[key] = torch.cat([pieces[i] if i in pieces else like.new_zeros(numels[i]) for i in idx])
+        self.velocity = new
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"options": self.options(),
