@@ -178,3 +178,21 @@ def test_regroup_carries_velocity_per_parameter():
     pol.on_regroup([[0, 1], [2]], [[2, 0], [1]], numels)
     assert torch.equal(pol.velocity[0], torch.tensor([6.0, 7, 8, 9, 1, 2]))
     assert torch.equal(pol.velocity[1], torch.tensor([3.0, 4, 5]))
+
+
+@pytest.mark.parametrize("name", ["micro", "topka", "cltk", "spardl"])
+def test_reducers_follow_a_density_changed_between_steps(name):
+    """The engine sets ``reducer.density`` before each step (warm-up): the achieved density follows."""
+
+    def body(comm):
+        torch.manual_seed(comm.rank)
+        r = ss.make_reducer(name, comm, 0.2)
+        got = []
+        for t in range(10):
+            r.density = 0.05 if t < 5 else 0.01
+            r.reduce(torch.randn(20000))
+            got.append(r.stats["density"])
+        return got
+
+    got = ss.run_local(body, 2)[0]
+    assert got[-1] == pytest.approx(0.01, rel=0.3) and got[4] > 0.03

@@ -256,6 +256,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
     def _reduce(self, grad):
         if self._bounds is None or self.controller is None:
             self._setup()
+        self.controller.target = self.k  # follows a density changed between steps (warm-up schedules)
         comm, P, step = self.comm, self.comm.world_size, self.step
         part = (step % P + comm.rank) % P
         start, end = self._bounds[part]
