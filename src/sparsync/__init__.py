@@ -22,4 +22,8 @@ def __getattr__(name):  # later layers, imported lazily so `import sparsync` sta
         from . import ddp
 
         return getattr(ddp, name)
+    if name == "GradientPolicy":
+        from .convergence import GradientPolicy
+
+        return GradientPolicy
     raise AttributeError(f"module 'sparsync' has no attribute {name!r}")
