@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev]' $(TORCH)
+	$(PY) -m pip install -q -e '.[dev,train]' $(TORCH)
 	touch $(STAMP)
 
 # Debian packages the emulated network needs (ip, tc); installed only when missing and we are root.

@@ -76,3 +76,26 @@ def test_bad_inputs():
         make_sparse("disjoint", 0, 4, 100, 0.5)
     with pytest.raises(ValueError, match="distinct"):
         sample_distinct(5, 6, torch.Generator())
+
+
+def test_heavy_tail_is_the_issue_11_workload():
+    from sparsync.bench.patterns import heavy_tail_grad, heavy_tail_grads
+
+    n, P = 40_000, 4
+    scale = torch.exp(1.5 * torch.randn(n, generator=torch.Generator().manual_seed(12345)))
+    for r, j in [(0, 0), (2, 1)]:
+        g = torch.randn(n, generator=torch.Generator().manual_seed(1000 + 17 * r + j)) * scale * 1e-3
+        assert torch.allclose(heavy_tail_grad(r, j, n), g, rtol=1e-6, atol=0)
+    g0, g1 = heavy_tail_grads(3, n)
+    assert torch.equal(g0, heavy_tail_grad(3, 0, n)) and torch.equal(g1, heavy_tail_grad(3, 1, n))
+    # sparse input: the exact top-1% of |g_{r,j}|; the shared scale makes the supports overlap partly
+    svs = [make_sparse("heavy_tail", r, P, n, 0.01, variant=1) for r in range(P)]
+    k = k_for_density(n, 0.01)
+    for r, sv in enumerate(svs):
+        _check_valid(sv, n, k)
+        g = heavy_tail_grad(r, 1, n)
+        assert set(sv.indices.tolist()) == set(torch.topk(g.abs(), k).indices.tolist())
+        assert torch.equal(sv.values, g[sv.indices])
+    union = torch.unique(torch.cat([s.indices for s in svs])).numel()
+    assert 1.5 * k < union < 3.0 * k  # ~2.3% of n for four top-1% sets (independent would be ~3.94%)
+    assert not torch.equal(svs[0].indices, make_sparse("heavy_tail", 0, P, n, 0.01, variant=0).indices)

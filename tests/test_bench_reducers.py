@@ -71,3 +71,26 @@ def test_report_table_and_csv(tmp_path):
     write_csv(str(path), rows)
     assert path.read_text().splitlines() == ["a,b,t", "x,1.5,0.1;0.2", "longer,,"]
     assert fmt_num(10_000_000) == "1e7" and fmt_num(2_500_000.0) == "2.5e6" and fmt_num(0.001) == "0.001"
+
+
+def _heavy_worker(comm):
+    from sparsync.bench.reducers import bench_grads, collective_fn
+
+    grads = bench_grads("heavy_tail", comm.rank, 5_000, 0, 4)
+    keep = time_reducer(comm, "topka", 5_000, 0.01, steps=2, warmup=1, grads=grads)
+    reset = time_reducer(comm, "topka", 5_000, 0.01, steps=2, warmup=1, grads=grads, reset_residual=True)
+    sv = make_sparse("heavy_tail", comm.rank, comm.world_size, 5_000, 0.02)
+    plain = collective_fn(comm, "plain_allgather", sv)()
+    return keep, reset, plain, digest(plain)
+
+
+def test_heavy_tail_grads_residual_modes_and_plain_allgather():
+    P, n = 3, 5_000
+    res = ss.run_local(_heavy_worker, P, backend="thread")
+    ref = sum(make_sparse("heavy_tail", r, P, n, 0.02).to_dense() for r in range(P))
+    assert len({d for *_, d in res}) == 1 and torch.allclose(res[0][2], ref, atol=1e-9)
+    for keep, reset, *_ in res:
+        assert all(r["selected"] == 50 for r in keep + reset)
+    with pytest.raises(ValueError, match="unknown gradient pattern"):
+        from sparsync.bench.reducers import bench_grads
+        bench_grads("zipf", 0, 10, 0, 1)

@@ -189,7 +189,7 @@ def _sum_ranks(comm):
 def test_cli_smoke(needs_netns, capsys):
     from sparsync.cli import main
 
-    assert main(["cluster", "smoke", "--world-size", "2", "--bandwidth", "100mbit", "--numel", "2e4",
+    assert main(["cluster", "smoke", "--workers", "2", "--bandwidth", "100mbit", "--numel", "2e4",
                  "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "correct" in out and "model at 100mbit" in out and "default" not in out
@@ -198,10 +198,10 @@ def test_cli_smoke(needs_netns, capsys):
 def test_parse_bandwidth():
     assert C.parse_bandwidth("1gbit") == 10**9
     assert C.parse_bandwidth("100mbit") == 10**8
-    assert C.parse_bandwidth("12.5mbps") == 10**8
+    assert C.parse_bandwidth("12.5MB/s") == 10**8
     assert C.parse_bandwidth(None) is None and C.parse_bandwidth("none") is None
     assert C.parse_bandwidth(2e9) == 2 * 10**9
-    for bad in ("fast", "1gbitz", "-1gbit", "1bit"):
+    for bad in ("fast", "1gbitz", "-1gbit", "1bit", "1gbps"):
         with pytest.raises(ValueError, match="bandwidth"):
             C.parse_bandwidth(bad)
     assert C.format_bandwidth(10**9) == "1gbit" and C.format_bandwidth(None) == "unlimited"

@@ -14,7 +14,7 @@ import torch
 
 import sparsync as ss
 from sparsync.bench.patterns import make_sparse
-from sparsync.collectives.auto import choose, last_choice, predict
+from sparsync.collectives.auto import choose, predict
 from sparsync.collectives.registry import COSTS, load_all
 from sparsync.sparse import SparseVec
 
@@ -170,8 +170,10 @@ def test_auto_same_choice_on_all_ranks(alpha, beta, expect):
     def fn(comm):
         # ranks have different k: the decision uses the max over ranks, so all agree
         sv = make_sparse("random", comm.rank, comm.world_size, 4000, 0.01 * (1 + comm.rank), 0)
-        r = ss.sparse_allreduce(sv, comm, "auto")
-        return last_choice(comm), r
+        info = {}
+        r = ss.sparse_allreduce(sv, comm, "auto", report=info)
+        assert any(lab.startswith(f"auto/{info['algorithm']}") for lab in comm.ledger.phases)
+        return info["algorithm"], r
 
     res = ss.run_local(fn, 6, alpha=alpha, beta=beta)
     names = {n for n, _ in res}
@@ -190,8 +192,9 @@ def test_auto_calibrates_on_gloo():
         snap = comm.ledger.snapshot()
         cal2 = calibrate(comm)  # cached: no traffic at all
         sv = make_sparse("random", comm.rank, 3, 5000, 0.01, 0)
-        ss.sparse_allreduce(sv, comm, "auto", check=False)
-        return cal == cal2, cal, last_choice(comm), comm.ledger.since(snap)["header_messages"]
+        info = {}
+        ss.sparse_allreduce(sv, comm, "auto", check=False, report=info)
+        return cal == cal2, cal, info["algorithm"], comm.ledger.since(snap)["header_messages"]
 
     res = ss.run_local(fn, 3, backend="gloo")
     assert all(r[0] for r in res)
@@ -219,9 +222,10 @@ def test_rounds_non_power_of_two(P):
 def test_auto_with_known_k():
     def fn(comm):
         sv = make_sparse("random", comm.rank, comm.world_size, 4000, 0.01, 0)
-        out = ss.sparse_allreduce(sv, comm, "auto", k=sv.nnz, check=False)
-        ref = ss.sparse_allreduce(sv, comm, "ssar_rec_dbl", check=False)
-        return out == ref, last_choice(comm)
+        info = {}
+        out = ss.sparse_allreduce(sv, comm, "auto", k=sv.nnz, check=False, report=info)
+        ref = ss.sparse_allreduce(sv, comm, info["algorithm"], check=False)
+        return out == ref, info["algorithm"]
 
     assert all(ok for ok, _ in ss.run_local(fn, 4))
     with pytest.raises(ValueError, match="promised k"):

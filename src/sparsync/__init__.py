@@ -3,27 +3,34 @@
 Public contract (``DESIGN.md``)::
 
     ss.SparseVec, ss.run_local, ss.sparse_allreduce, ss.make_reducer
+
+Every name is imported on first use (PEP 562), so ``import sparsync`` and ``sparsync --help`` /
+``--version`` do not import torch.
 """
 
-from .collectives import sparse_allreduce
-from .comm import Comm, Ledger
-from .launch import comm_from_env, run_local, torchrun_main
-from .reducers import Reducer, make_reducer
-from .sparse import SparseVec
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["SparseVec", "Comm", "Ledger", "run_local", "comm_from_env", "torchrun_main",
-           "sparse_allreduce", "make_reducer", "Reducer", "__version__"]
+#: public name -> submodule that defines it
+_LAZY = {
+    "SparseVec": "sparse", "Comm": "comm", "Ledger": "comm", "run_local": "launch", "comm_from_env": "launch",
+    "torchrun_main": "launch", "sparse_allreduce": "collectives", "make_reducer": "reducers",
+    "Reducer": "reducers", "SparseDDP": "ddp", "ddp_hook": "ddp", "GradientPolicy": "convergence",
+}
+
+__all__ = [*_LAZY, "__version__"]
 
 
-def __getattr__(name):  # later layers, imported lazily so `import sparsync` stays light
-    if name in ("SparseDDP", "ddp_hook"):
-        from . import ddp
-
-        return getattr(ddp, name)
-    if name == "GradientPolicy":
-        from .convergence import GradientPolicy
-
-        return GradientPolicy
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'sparsync' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

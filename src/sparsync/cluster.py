@@ -91,25 +91,18 @@ class ClusterUnavailable(RuntimeError):
 
 
 # ---------------------------------------------------------------------- bandwidth
-_UNITS = {"": 1, "bit": 1, "bps": 8, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
-          "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
-
-
 def parse_bandwidth(bw) -> int | None:
-    """Bits per second from ``"1gbit"``, ``"100mbit"``, ``"500kbit"``, ``"10mbps"`` (bytes/s, tc's
-    convention), a number (bits/s); ``None``/``"none"``/``"unlimited"`` -> None (no limit)."""
-    if bw is None:
+    """Bits per second for tc from ``"1gbit"``, ``"100mbit"``, ``"125MB/s"``, a number (bits/s) —
+    :func:`sparsync.units.parse_rate`'s one rule (the ambiguous ``gbps`` family is refused);
+    ``None``/``"none"``/``"unlimited"`` -> None (no limit)."""
+    from .units import parse_rate
+
+    if bw is None or (isinstance(bw, str) and bw.strip().lower() in ("none", "unlimited", "inf", "")):
         return None
-    if isinstance(bw, (int, float)) and not isinstance(bw, bool):
-        val = float(bw)
-    else:
-        s = str(bw).strip().lower()
-        if s in ("none", "unlimited", "inf", ""):
-            return None
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)", s)
-        if not m or m.group(2) not in _UNITS:
-            raise ValueError(f"bad bandwidth {bw!r}; use e.g. '1gbit', '100mbit', '500kbit' or bits/s")
-        val = float(m.group(1)) * _UNITS[m.group(2)]
+    try:
+        val = parse_rate(bw)
+    except ValueError as e:
+        raise ValueError(f"bad bandwidth: {e}") from None
     if not val >= 8000:
         raise ValueError(f"bandwidth must be at least 8kbit, got {bw!r}")
     return int(val)

@@ -166,6 +166,12 @@ class Comm(ABC):
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor: ...
 
     @abstractmethod
+    def _sparse_allreduce(self, indices: torch.Tensor, values: torch.Tensor,
+                          numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's own sparse COO all-reduce: every rank's (int64 indices, values) summed,
+        returned coalesced (sorted unique indices, summed values), identical on every rank."""
+
+    @abstractmethod
     def _barrier(self) -> None: ...
 
     def _charge_collective(self, cost: PhaseCost) -> None:
@@ -400,6 +406,32 @@ class Comm(ABC):
             cost = PhaseCost(messages_sent=P - 1, bytes_sent=(P - 1) * nb, rounds=r)
         else:
             cost = PhaseCost(messages_received=1, bytes_received=nb, rounds=r)
+        self._record(cost)
+        self._charge_collective(cost)
+        return out
+
+    def sparse_allreduce_coo(self, indices: torch.Tensor, values: torch.Tensor,
+                             numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of every rank's COO vector ``(indices, values)`` by the backend's own sparse all-reduce
+        (gloo's for TorchComm: all-gather of both tensors, then a coalescing sum).
+
+        Returns (sorted unique int64 indices, summed values). Ledger: two variable all-gathers
+        (int64 indices, then values) in the ring model, padded to the largest count ``m``:
+        ``rounds = 2(P-1)``, ``bytes = (P-1) * m * (8 + isize)`` each way, plus the count exchange
+        as header traffic. The counts come from one small unrecorded all-gather (torch's coalesced
+        result does not reveal them), which is part of the call's time.
+        """
+        indices = _as_1d(indices, "sparse_allreduce_coo").to(torch.int64)
+        values = _as_1d(values, "sparse_allreduce_coo")
+        if indices.numel() != values.numel():
+            raise CommError(f"sparse_allreduce_coo: {indices.numel()} indices but {values.numel()} values")
+        P = self.world_size
+        with self.unrecorded():
+            counts = self._allgather(torch.tensor([indices.numel()], dtype=torch.int64, device=self.device))
+        m = max(int(c[0]) for c in counts)
+        out = self._sparse_allreduce(indices, values, int(numel))
+        nb = (P - 1) * m * (8 + values.element_size())
+        cost = PhaseCost(2 * (P - 1), 2 * (P - 1), nb, nb, 2 * (P - 1), P - 1, 8 * (P - 1))
         self._record(cost)
         self._charge_collective(cost)
         return out

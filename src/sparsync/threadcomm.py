@@ -214,6 +214,14 @@ class ThreadComm(Comm):
         vals = self._collective("broadcast", t.clone() if self.rank == src else None, lambda v: v)
         return vals[src].clone()
 
+    def _sparse_allreduce(self, indices, values, numel):
+        """Gather both tensors, then coalesce in rank order (torch's sparse all-reduce semantics)."""
+        idx = torch.cat(self._collective("sparse_allreduce:indices", indices.clone(), lambda v: v))
+        vals = torch.cat(self._collective("sparse_allreduce:values", values.clone(), lambda v: v))
+        uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+        out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device)
+        return uniq, out.index_add_(0, inverse, vals)
+
     def _barrier(self) -> None:
         self._collective("barrier", None, lambda v: None)
 

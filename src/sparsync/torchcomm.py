@@ -73,5 +73,11 @@ class TorchComm(Comm):
         dist.broadcast(out, self._global(src), group=self.group)
         return out
 
+    def _sparse_allreduce(self, indices, values, numel):
+        t = torch.sparse_coo_tensor(indices.unsqueeze(0), values, (numel,), check_invariants=False)
+        dist.all_reduce(t, group=self.group)
+        t = t.coalesce()
+        return t.indices()[0], t.values()
+
     def _barrier(self):
         dist.barrier(group=self.group)

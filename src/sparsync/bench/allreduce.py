@@ -26,14 +26,15 @@ from collections.abc import Sequence
 import torch
 
 from ..sparse import SparseVec
-from .patterns import make_sparse
-from .reducers import collective_fn, digest, summarize
+from .patterns import ALTERNATING, make_sparse
+from .reducers import BASELINES, collective_fn, digest, summarize
 
 __all__ = ["allreduce_worker", "expand_algorithms", "network_context", "run_allreduce_bench"]
 
 
 def expand_algorithms(names: Sequence[str] | str) -> list[str]:
-    """``"all"`` -> dense + every registered lossless algorithm (discovered now); else validated names."""
+    """``"all"`` -> the baselines (dense, plain_allgather) + every registered lossless algorithm
+    (discovered now); else validated names."""
     from ..collectives import load_all
 
     if isinstance(names, str):
@@ -42,18 +43,19 @@ def expand_algorithms(names: Sequence[str] | str) -> list[str]:
     out: list[str] = []
     for n in names:
         if n == "all":
-            out += ["dense"] + registered
-        elif n == "dense" or n in registered:
+            out += list(BASELINES) + registered
+        elif n in BASELINES or n in registered:
             out.append(n)
         else:
-            raise ValueError(f"unknown algorithm {n!r}; valid: all, dense, {', '.join(registered)}")
+            raise ValueError(f"unknown algorithm {n!r}; valid: all, {', '.join(BASELINES)}, "
+                             f"{', '.join(registered)}")
     return list(dict.fromkeys(out))  # dedupe, keep order
 
 
 def _reference(pattern, P, numel, density, seed):
     ref = torch.zeros(numel, dtype=torch.float64)
     for r in range(P):
-        sv = make_sparse(pattern, r, P, numel, density, seed)
+        sv = make_sparse(pattern, r, P, numel, density, seed)  # variant 0: the one the check runs
         ref.index_add_(0, sv.indices, sv.values.double())
     return ref
 
@@ -70,6 +72,8 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
     (config, algorithm) with the output digest and (rank 0) the max error against the reference.
     Exceptions inside an algorithm are recorded (``error``) and the algorithm is dropped for that
     configuration; a failure that leaves ranks out of step ends the run at the gloo timeout.
+    Alternating patterns (``heavy_tail``) build both inputs before the clock starts and use input
+    ``step % 2`` at timed step ``step`` (the check runs on input 0).
     """
     P, rank = comm.world_size, comm.rank
     records: list[dict] = []
@@ -77,7 +81,8 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
         numel = int(numel)
         key = {"numel": numel, "density": density, "pattern": pattern}
         try:
-            sv = make_sparse(pattern, rank, P, numel, density, seed)
+            svs = [make_sparse(pattern, rank, P, numel, density, seed, variant=j)
+                   for j in range(2 if pattern in ALTERNATING else 1)]
         except ValueError as e:  # deterministic: the same on every rank
             records += [dict(key, algorithm=a, kind="error", error=str(e)) for a in algorithms]
             continue
@@ -85,7 +90,7 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
         calls, live = {}, []
         for a in algorithms:
             try:
-                calls[a] = collective_fn(comm, a, sv)
+                calls[a] = [collective_fn(comm, a, sv) for sv in svs]
                 live.append(a)
             except Exception as e:  # noqa: BLE001
                 records.append(dict(key, algorithm=a, kind="error", error=f"{type(e).__name__}: {e}"))
@@ -94,7 +99,7 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
                 comm.barrier()
                 try:
                     with comm.phase(a):
-                        out = calls[a]()
+                        out = calls[a][0]()
                 except Exception as e:  # noqa: BLE001
                     live.remove(a)
                     records.append(dict(key, algorithm=a, kind="error", error=f"{type(e).__name__}: {e}"))
@@ -112,7 +117,7 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
                 snap = comm.ledger.snapshot()
                 t0 = time.perf_counter()
                 with comm.phase(a):
-                    calls[a]()
+                    calls[a][step % len(svs)]()
                 if comm.device.type == "cuda":
                     torch.cuda.synchronize(comm.device)
                 wall = time.perf_counter() - t0
@@ -129,7 +134,7 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
             summary = ", ".join(f"{a} {sorted(t)[len(t) // 2] * 1e3:.1f} ms" for a, t in mine.items())
             print(f"  [{label} P={P}] n={numel:.3g} density={density:g} {pattern}: {summary} (rank 0)",
                   file=sys.stderr, flush=True)
-        del calls, sv, ref
+        del calls, svs, ref
     return records
 
 

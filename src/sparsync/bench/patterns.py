@@ -12,6 +12,17 @@ supports overlap (SparCML ``spec/sparcml.md``: the size of the result is between
   ``[0, numel // P)`` -> supports are pairwise disjoint and the union is exactly ``P*k``
   (worst case). Requires ``P*k <= numel``.
 
+A fourth pattern is the **benchmark workload of issue 11** (``docs/benchmarks.md``), a *gradient*
+rather than a support pattern:
+
+- ``"heavy_tail"``: rank ``r``'s ``j``-th gradient is
+  ``g_{r,j} = randn(n, seed 1000+17r+j) * exp(1.5 * randn(n, seed 12345)) * 1e-3`` (fp32) - a
+  heavy-tailed per-element scale shared by all ranks, so the ranks' top-k sets overlap partly (the
+  union of four top-1% sets is ~2.3% of ``n``). Two gradients per rank (``j = 0, 1``) alternate call
+  by call (:func:`heavy_tail_grads`). As a sparse input (:func:`make_sparse`, lossless collectives)
+  it is the exact top-k of ``|g_{r,j}|`` (indices precomputed, as the issue's plain reference does);
+  ``variant`` picks ``j``. ``seed`` is ignored: the seeds are part of the workload's definition.
+
 ``k`` follows the shared rule ``k = max(1, round(density * numel))`` (``select/topk.py``).
 Values are standard normal with zeros replaced by 1.0, so every stored value is nonzero.
 Everything is vectorised; the only loop is the (rarely repeated) rejection step of the sampler.
@@ -24,9 +35,19 @@ import torch
 from ..select.topk import k_for_density
 from ..sparse import SparseVec
 
-__all__ = ["PATTERNS", "make_sparse", "sample_distinct"]
+__all__ = ["ALTERNATING", "GRAD_PATTERNS", "PATTERNS", "heavy_tail_grad", "heavy_tail_grads", "make_sparse",
+           "sample_distinct"]
 
-PATTERNS = ("random", "identical", "disjoint")
+PATTERNS = ("random", "identical", "disjoint", "heavy_tail")
+#: patterns whose inputs alternate call by call between two variants (``j = 0, 1``)
+ALTERNATING = ("heavy_tail",)
+#: dense gradient sources of ``sparsync bench reducers``: "normal" (standard normal per (seed, rank,
+#: step), :func:`sparsync.bench.reducers.make_grad`) and the issue-11 workload
+GRAD_PATTERNS = ("normal", "heavy_tail")
+
+HEAVY_SCALE_SEED = 12345  # the shared per-element scale
+HEAVY_BASE_SEED, HEAVY_RANK_STRIDE = 1000, 17  # g_{r,j} seeded by 1000 + 17 r + j
+HEAVY_SIGMA, HEAVY_AMPLITUDE = 1.5, 1e-3
 
 _RANK_MUL = 1_000_003
 _INDEX_STREAM = 7_919  # offsets separating the index and value streams of one (seed, rank)
@@ -62,6 +83,34 @@ def sample_distinct(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
         draw *= 2
 
 
+def _seeded_randn(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(int(n), generator=torch.Generator().manual_seed(int(seed)), dtype=torch.float32)
+
+
+def heavy_tail_grad(rank: int, j: int, numel: int, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``g_{r,j} = randn(n, seed 1000+17r+j) * exp(1.5 * randn(n, seed 12345)) * 1e-3`` (fp32, CPU).
+
+    ``scale``: the shared factor ``exp(1.5 * randn(n, seed 12345))`` when the caller already has it
+    (it is the same for every rank and ``j``).
+    """
+    if scale is None:
+        scale = torch.exp(HEAVY_SIGMA * _seeded_randn(numel, HEAVY_SCALE_SEED))
+    g = _seeded_randn(numel, HEAVY_BASE_SEED + HEAVY_RANK_STRIDE * int(rank) + int(j))
+    return g.mul_(scale).mul_(HEAVY_AMPLITUDE)
+
+
+def heavy_tail_grads(rank: int, numel: int) -> list[torch.Tensor]:
+    """Rank ``rank``'s two gradients ``[g_{r,0}, g_{r,1}]``, to be alternated call by call."""
+    scale = torch.exp(HEAVY_SIGMA * _seeded_randn(numel, HEAVY_SCALE_SEED))
+    return [heavy_tail_grad(rank, j, numel, scale) for j in (0, 1)]
+
+
+def _top_k(g: torch.Tensor, k: int) -> SparseVec:
+    idx = torch.sort(torch.topk(g.abs(), k, sorted=False).indices).values
+    vals = g[idx]
+    return SparseVec(idx, torch.where(vals == 0, torch.ones_like(vals), vals), g.numel(), check=False)
+
+
 def _values(k: int, seed: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
     v = torch.randn(k, generator=_gen(seed, rank, _VALUE_STREAM), dtype=torch.float64)
     v = torch.where(v == 0, torch.ones_like(v), v).to(dtype)
@@ -77,11 +126,13 @@ def make_sparse(
     density: float,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    variant: int = 0,
 ) -> SparseVec:
     """Rank ``rank``'s input SparseVec for ``pattern`` (see module docstring).
 
-    Deterministic in ``(pattern, rank, world_size, numel, density, seed)``: call it on every rank
-    (or for every rank in one process to build the dense reference sum).
+    Deterministic in ``(pattern, rank, world_size, numel, density, seed, variant)``: call it on every
+    rank (or for every rank in one process to build the dense reference sum). ``variant`` is the
+    ``j`` of the alternating patterns (:data:`ALTERNATING`) and ignored by the others.
     """
     numel = int(numel)
     world_size = int(world_size)
@@ -103,6 +154,8 @@ def make_sparse(
             )
         slots = sample_distinct(numel // world_size, k, _gen(seed, rank, _INDEX_STREAM))
         idx = slots * world_size + rank
+    elif pattern == "heavy_tail":
+        return _top_k(heavy_tail_grad(rank, variant, numel).to(dtype), k)
     else:
         raise ValueError(f"unknown pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
     return SparseVec(idx, _values(k, seed, rank, dtype), numel, check=False)

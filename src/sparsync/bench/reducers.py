@@ -30,8 +30,12 @@ import torch
 from ..collectives import load_all as load_collectives
 from ..reducers import make_reducer
 from ..sparse import SparseVec
+from .patterns import GRAD_PATTERNS, heavy_tail_grads
 
 __all__ = [
+    "BASELINES",
+    "RESIDUAL_MODES",
+    "bench_grads",
     "collective_fn",
     "digest",
     "expand_reducers",
@@ -42,6 +46,8 @@ __all__ = [
     "time_reducer",
 ]
 
+#: what a user would run instead of a sparse all-reduce (see :func:`collective_fn`)
+BASELINES = ("dense", "plain_allgather")
 TIME_KEYS = ("select_s", "comm_s", "total_s", "wall_s")
 MAX_KEYS = ("bytes_sent", "bytes_received", "messages", "rounds")
 
@@ -77,12 +83,14 @@ def _grad_source(grads, comm, numel, seed) -> Callable[[int], torch.Tensor]:
 
 
 def time_reducer(comm, name: str, numel: int, density: float = 0.01, steps: int = 5, warmup: int = 2,
-                 seed: int = 0, grads=None, **options) -> list[dict]:
+                 seed: int = 0, grads=None, reset_residual: bool = False, **options) -> list[dict]:
     """Per-step stats of reducer ``name`` on this rank (``steps`` timed steps after ``warmup``).
 
     ``grads``: None (synthetic normal gradients seeded by ``(seed, rank, step)``), a tensor (reused
     every step), a sequence (cycled) or a callable ``step -> tensor``. Gradients are produced
-    before the clock starts.
+    before the clock starts. ``reset_residual``: zero the error-feedback residual before every call
+    (outside the clock), so every call sees the same kind of input; otherwise it is kept between
+    calls (the steady state training sees).
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
@@ -91,6 +99,8 @@ def time_reducer(comm, name: str, numel: int, density: float = 0.01, steps: int 
     out: list[dict] = []
     for step in range(warmup + steps):
         g = source(step)
+        if reset_residual and reducer.residual is not None:
+            reducer.residual.zero_()
         comm.barrier()
         t0 = time.perf_counter()
         reducer.reduce(g)
@@ -104,22 +114,43 @@ def time_reducer(comm, name: str, numel: int, density: float = 0.01, steps: int 
 
 def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None = None,
                   **options) -> Callable[[], object]:
-    """A no-argument callable running one lossless all-reduce of ``sv`` (or the dense baseline).
+    """A no-argument callable running one lossless all-reduce of ``sv`` (or a baseline).
 
     Registered algorithms are called directly (no input check, no conversion of a dense result to
-    a SparseVec), so timing covers the algorithm only. ``"dense"``: ``comm.allreduce`` of
-    ``sv.to_dense()`` (or of a random vector of ``numel`` elements when ``sv`` is None), built now.
+    a SparseVec), so timing covers the algorithm only. Baselines (:data:`BASELINES`): ``"dense"``:
+    ``comm.allreduce`` of ``sv.to_dense()`` (or of a random vector of ``numel`` elements when ``sv``
+    is None), built now; ``"plain_allgather"``: what a user writes by hand - two plain all-gathers
+    of the (int64 indices, values) tensors (every rank must have the same nnz) and ``index_add_``
+    into a zero dense vector in rank order (issue 11's reference).
     """
+    if algorithm in BASELINES and options:
+        raise TypeError(f"the {algorithm} baseline takes no options, got {', '.join(sorted(options))}")
     if algorithm == "dense":
-        if options:
-            raise TypeError(f"the dense baseline takes no options, got {', '.join(sorted(options))}")
         dense = sv.to_dense() if sv is not None else torch.randn(int(numel), device=comm.device)
         return lambda: comm.allreduce(dense)
+    if algorithm == "plain_allgather":
+        return _plain_allgather(comm, sv)
     algos = load_collectives()
     if algorithm not in algos:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
     fn = algos[algorithm]
     return lambda: fn(sv, comm, **options)
+
+
+def _plain_allgather(comm, sv: SparseVec) -> Callable[[], torch.Tensor]:
+    with comm.unrecorded():
+        counts = {int(c[0]) for c in comm.allgather(torch.tensor([sv.nnz], device=comm.device))}
+    if len(counts) != 1:
+        raise ValueError(f"plain_allgather needs the same nnz on every rank, got {sorted(counts)}")
+    idx, vals = sv.indices.to(torch.int64), sv.values
+
+    def call():
+        out = torch.zeros(sv.numel, dtype=vals.dtype, device=vals.device)
+        for i, v in zip(comm.allgather(idx), comm.allgather(vals)):
+            out.index_add_(0, i, v)
+        return out
+
+    return call
 
 
 def time_collective(comm, algorithm: str, sv: SparseVec | None, steps: int = 5, warmup: int = 2,
@@ -184,16 +215,29 @@ def summarize(per_rank_results: Sequence[Sequence[dict]]) -> dict:
 
 
 # ---------------------------------------------------------------------- driver (``sparsync bench reducers``)
-def _reducers_worker(comm, reducers, numel, density, steps, warmup, seed, options, label, progress):
+def bench_grads(pattern: str, rank: int, numel: int, seed: int, steps: int, device="cpu") -> list[torch.Tensor]:
+    """The gradients one rank cycles through: ``"normal"`` (3 seeded normal vectors, or fewer when
+    fewer steps run) or ``"heavy_tail"`` (issue 11's workload, two alternated; see
+    :mod:`sparsync.bench.patterns`)."""
+    if pattern == "normal":
+        return [make_grad(rank, s, numel, seed, device=device) for s in range(min(steps, 3))]
+    if pattern == "heavy_tail":
+        return [g.to(device) for g in heavy_tail_grads(rank, numel)]
+    raise ValueError(f"unknown gradient pattern {pattern!r}; choose one of {', '.join(GRAD_PATTERNS)}")
+
+
+def _reducers_worker(comm, reducers, numel, density, steps, warmup, seed, options, label, progress,
+                     pattern="normal", residuals=("keep",)):
     out = {}
-    grads = [make_grad(comm.rank, s, numel, seed, device=comm.device) for s in range(min(steps + warmup, 3))]
-    for name in reducers:
-        out[name] = time_reducer(comm, name, numel, density, steps=steps, warmup=warmup, seed=seed,
-                                 grads=grads, **options.get(name, {}))
-        if progress and comm.rank == 0:
-            t = sorted(r["total_s"] for r in out[name])
-            print(f"  [{label} P={comm.world_size}] n={numel:.3g} density={density:g} {name}: "
-                  f"{t[len(t) // 2] * 1e3:.1f} ms (rank 0)", file=sys.stderr, flush=True)
+    grads = bench_grads(pattern, comm.rank, numel, seed, steps + warmup, comm.device)
+    for mode in residuals:
+        for name in reducers:
+            out[name, mode] = time_reducer(comm, name, numel, density, steps=steps, warmup=warmup, seed=seed,
+                                           grads=grads, reset_residual=mode == "reset", **options.get(name, {}))
+            if progress and comm.rank == 0:
+                t = sorted(r["total_s"] for r in out[name, mode])
+                print(f"  [{label} P={comm.world_size}] n={numel:.3g} density={density:g} {name} "
+                      f"(residual {mode}): {t[len(t) // 2] * 1e3:.1f} ms (rank 0)", file=sys.stderr, flush=True)
     return out
 
 
@@ -215,11 +259,23 @@ def expand_reducers(names) -> list[str]:
     return list(dict.fromkeys(out))
 
 
+RESIDUAL_MODES = ("keep", "reset")
+
+
 def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback",), steps=5, warmup=2,
-                      seed=0, options=None, timeout=600.0, fallback_loopback=False, progress=True) -> list[dict]:
-    """One row per (network, P, reducer): medians of select/comm/total (max over ranks), bytes,
-    achieved density and ``speedup`` (dense total / total). Gradients are synthetic normal vectors
-    (3 per rank, cycled), so selection sees realistic magnitudes but not a real model's."""
+                      seed=0, options=None, timeout=600.0, fallback_loopback=False, progress=True,
+                      pattern="normal", residuals=("keep",)) -> list[dict]:
+    """One row per (network, P, residual mode, reducer): medians of select/comm/total (max over
+    ranks), bytes, achieved density and ``speedup`` (dense total / total). Gradients
+    (:func:`bench_grads`): ``pattern="normal"`` synthetic normal vectors (3 per rank, cycled: selection
+    sees realistic magnitudes but not a real model's) or ``"heavy_tail"`` (issue 11's workload).
+    ``residuals``: ``"keep"`` (error feedback carried between calls, the steady state) and/or
+    ``"reset"`` (residual zeroed before every call)."""
+    if pattern not in GRAD_PATTERNS:
+        raise ValueError(f"unknown gradient pattern {pattern!r}; choose one of {', '.join(GRAD_PATTERNS)}")
+    bad = [m for m in residuals if m not in RESIDUAL_MODES]
+    if bad or not residuals:
+        raise ValueError(f"residual modes must be among {', '.join(RESIDUAL_MODES)}, got {list(residuals)}")
     from ..launch import run_local
     from .allreduce import network_context
 
@@ -233,17 +289,18 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
             with network_context(network, P, fallback_loopback) as net:
                 label = network if (network == "loopback" or net.emulated) else f"{network}->loopback"
                 per_rank = run_local(_reducers_worker, P, reducers, int(numel), float(density), steps, warmup,
-                                     seed, options or {}, label, progress, backend="gloo", timeout=timeout,
-                                     placement=net.placement)
-            group = []
-            for name in reducers:
-                s = summarize([r[name] for r in per_rank])
-                row = {"network": label, "world_size": P, "numel": int(numel), "target_density": float(density),
-                           "reducer": name}
-                row.update({k: v for k, v in s.items() if k not in ("world_size",)})
-                group.append(row)
-            dense = next((r["total_s"] for r in group if r["reducer"] == "dense"), None)
-            for r in group:
-                r["speedup"] = dense / r["total_s"] if dense and r.get("total_s") else None
-            rows += group
+                                     seed, options or {}, label, progress, pattern, tuple(residuals),
+                                     backend="gloo", timeout=timeout, placement=net.placement)
+            for mode in residuals:
+                group = []
+                for name in reducers:
+                    s = summarize([r[name, mode] for r in per_rank])
+                    row = {"network": label, "world_size": P, "numel": int(numel), "pattern": pattern,
+                           "residual": mode, "target_density": float(density), "reducer": name}
+                    row.update({k: v for k, v in s.items() if k not in ("world_size",)})
+                    group.append(row)
+                dense = next((r["total_s"] for r in group if r["reducer"] == "dense"), None)
+                for r in group:
+                    r["speedup"] = dense / r["total_s"] if dense and r.get("total_s") else None
+                rows += group
     return rows

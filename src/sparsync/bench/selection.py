@@ -93,7 +93,9 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
 
 # ---------------------------------------------------------------------- realistic gradient stream
 def _digits(device):
-    from sklearn.datasets import load_digits
+    from ..extras import require
+
+    load_digits = require("sklearn.datasets", "train", "the density trace").load_digits
 
     X, y = load_digits(return_X_y=True)
     X = torch.tensor(X, dtype=torch.float32, device=device) / 16.0
@@ -212,9 +214,9 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
 
 def plot_density(traces: dict, density: float, path: str, title: str = "") -> None:
     """Achieved density vs step (one line per reducer) with the target and its +-10% band."""
-    import matplotlib
+    from ..extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plots", "the density plot").use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))

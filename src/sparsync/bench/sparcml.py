@@ -25,15 +25,19 @@ DEFAULT_ALGOS = ["dense", "torch_sparse", "ssar_rec_dbl", "ssar_split_allgather"
 
 
 def sparcml_worker(comm, configs, algorithms, repeats, warmup, seed, label):
-    from ..collectives.auto import calibrate, last_choice
+    from ..collectives.auto import calibrate, choose
+    from ..select.topk import k_for_density
 
     recs = []
     for cfg in configs:
         recs += allreduce_worker(comm, [cfg], algorithms, repeats, warmup, seed, True, label, True)
         if "auto" in algorithms:
             a, b, gs, gd = calibrate(comm)
+            # what auto ran: every pattern gives every rank k items, so auto's k is this one
+            pick = choose(comm.world_size, cfg[0], k_for_density(cfg[0], cfg[1]), a, b, gamma_sparse=gs,
+                          gamma_dense=gd)
             recs.append({"numel": cfg[0], "density": cfg[1], "pattern": cfg[2], "algorithm": "auto",
-                         "kind": "pick", "pick": last_choice(comm), "alpha": a, "beta": b,
+                         "kind": "pick", "pick": pick, "alpha": a, "beta": b,
                          "gamma_sparse": gs, "gamma_dense": gd})
     return recs
 

@@ -26,7 +26,9 @@ calibrates once per comm object (cached, all traffic unrecorded): ranks 0 and 1 
 merge of 2 x 2^16 items and a dense add of 2^22 elements (so an oversubscribed host is measured as
 such), and the maximum over ranks gives ``gamma_sparse``/``gamma_dense``. All four can be passed as
 options (``ss.sparse_allreduce(sv, comm, "auto", alpha=1e-4, beta=8e-9)``; gammas default to 0 when
-alpha and beta are given). :func:`last_choice` tells which algorithm the last call on a comm ran.
+alpha and beta are given). A caller that wants to know which algorithm ran passes a dict as the
+option ``report`` (``ss.sparse_allreduce(sv, comm, "auto", report=info)`` -> ``info["algorithm"]``);
+the choice also shows in the ledger, whose phases nest under ``auto/<algorithm>``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,13 @@ import torch
 
 from ..sparse import SparseVec
 from .registry import ALGORITHMS, COSTS, register
-from .sparcml_common import as_stream, densify, index_bytes_for
+from .sparcml_common import as_stream, densify, index_bytes_for, phase_label
 
 CANDIDATES = ("ssar_rec_dbl", "ssar_split_allgather", "dsar_split_allgather", "dsar_early_switch", "dense")
 NOMINAL = (50e-6, 8e-9)  # 1 Gbit/s, 50 us per message
 NOMINAL_GAMMA = (30e-9, 1e-9)  # sort-based sparse merge per item, dense add per element (one CPU core)
 
-_calib: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_last: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_calib: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache: one calibration per comm object
 
 
 def calibrate(comm, reps: int = 5, big_bytes: int = 4 << 20, force: bool = False) -> tuple[float, float, float, float]:
@@ -153,17 +154,26 @@ def choose(P: int, n: int, k: int, alpha: float, beta: float, value_bytes: int =
     return min(t, key=lambda name: (t[name], CANDIDATES.index(name)))
 
 
-def last_choice(comm) -> str | None:
-    """Which algorithm the last ``auto`` call on this comm ran."""
-    return _last.get(comm)
-
-
 @register("auto")
 def auto(sv: SparseVec, comm, alpha: float | None = None, beta: float | None = None, group_size: int = 8,
-         gamma_sparse: float | None = None, gamma_dense: float | None = None, k: int | None = None, **_):
+         gamma_sparse: float | None = None, gamma_dense: float | None = None, k: int | None = None,
+         report: dict | None = None, **_):
+    name = "ssar_rec_dbl"
+    if comm.world_size > 1:
+        name = _pick(sv, comm, alpha, beta, group_size, gamma_sparse, gamma_dense, k)
+    if report is not None:
+        report["algorithm"] = name
     if comm.world_size == 1:
-        _last[comm] = "ssar_rec_dbl"
         return as_stream(sv)
+    with comm.phase(phase_label(comm, name)):
+        if name == "dense":
+            return comm.allreduce(densify(as_stream(sv)))
+        opts = {"group_size": group_size} if name == "dsar_early_switch" else {}
+        return ALGORITHMS[name](sv, comm, **opts)
+
+
+def _pick(sv, comm, alpha, beta, group_size, gamma_sparse, gamma_dense, k) -> str:
+    """The candidate for this call: calibrated (or given) costs, ``k`` = the largest count over ranks."""
     if alpha is not None and beta is not None:
         cal = (alpha, beta, gamma_sparse or 0.0, gamma_dense or 0.0)
     else:
@@ -176,14 +186,8 @@ def auto(sv: SparseVec, comm, alpha: float | None = None, beta: float | None = N
         k = max(int(c[0]) for c in counts)
     elif sv.nnz > k:
         raise ValueError(f"auto: this rank has {sv.nnz} items, more than the promised k = {k}")
-    vb = sv.values.element_size()
-    name = choose(comm.world_size, sv.numel, k, float(alpha), float(beta), vb, group_size, float(gamma_sparse),
-                  float(gamma_dense))
-    _last[comm] = name
-    if name == "dense":
-        return comm.allreduce(densify(as_stream(sv)))
-    opts = {"group_size": group_size} if name == "dsar_early_switch" else {}
-    return ALGORITHMS[name](sv, comm, **opts)
+    return choose(comm.world_size, sv.numel, k, float(alpha), float(beta), sv.values.element_size(), group_size,
+                  float(gamma_sparse), float(gamma_dense))
 
 
 def auto_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random", alpha=NOMINAL[0], beta=NOMINAL[1]):

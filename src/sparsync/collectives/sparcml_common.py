@@ -62,10 +62,6 @@ def as_stream(sv: SparseVec):
     return sv.to_dense()
 
 
-def nnz_of(x) -> int:
-    return x.nnz if isinstance(x, SparseVec) else x.numel()
-
-
 def numel_of(x) -> int:
     return x.numel if isinstance(x, SparseVec) else x.numel()
 
@@ -122,7 +118,7 @@ def fold(comm, x, numel: int, dtype) -> tuple[Fold, object]:
     f = Fold(comm.rank, comm.world_size)
     if f.e == 0 or comm.rank >= 2 * f.e:
         return f, x
-    with comm.phase(_sub(comm, "fold")):
+    with comm.phase(phase_label(comm, "fold")):
         if comm.rank % 2 == 1:
             send_stream(comm, x, comm.rank - 1)
             return f, None
@@ -134,7 +130,7 @@ def unfold(comm, f: Fold, result, numel: int, dtype):
     """Post-step: even ranks ``< 2e`` send the result back to their odd partner."""
     if f.e == 0 or comm.rank >= 2 * f.e:
         return result
-    with comm.phase(_sub(comm, "unfold")):
+    with comm.phase(phase_label(comm, "unfold")):
         if comm.rank % 2 == 0:
             send_stream(comm, result, comm.rank + 1)
             return result
@@ -157,11 +153,6 @@ def run_folded(sv: SparseVec, comm, body):
 
 def phase_label(comm, name: str) -> str:
     """``name`` nested under the current ledger phase (e.g. ``ssar_split_allgather/allgather``)."""
-    lab = comm.ledger.label
-    return f"{lab}/{name}" if lab and lab != "default" else name
-
-
-def _sub(comm, name: str) -> str:
     lab = comm.ledger.label
     return f"{lab}/{name}" if lab and lab != "default" else name
 

@@ -35,7 +35,7 @@ from .sparcml_common import (
     run_folded,
     cost_setup,
     exchange_stream,
-    expected_union,
+    union_model,
 )
 
 
@@ -72,14 +72,14 @@ def rec_dbl_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random"):
             s = sim.add(s, s, union_of(t + 1), n)
         return total, sim.work()
 
-    ident, w_ident = run(lambda t: k)
-    disj, w_disj = run(lambda t: min(n, k * 2 ** t))
-    if pattern == "identical":
-        b, w = ident, w_ident
-    elif pattern == "disjoint":
-        b, w = disj, w_disj
-    elif pattern == "expected":
-        b, w = run(lambda t: round(expected_union(k, n, 2 ** t)))
+    def stage_union(pat):  # union after stage t sums 2^t inputs of k items
+        u = union_model(pat, k, n)
+        return lambda t: u(2 ** t)
+
+    ident, w_ident = run(stage_union("identical"))
+    disj, w_disj = run(stage_union("disjoint"))
+    if pattern in ("identical", "disjoint", "expected"):
+        b, w = run(stage_union(pattern))
     else:
         b, w = (min(ident, disj), max(ident, disj)), w_disj
     return {"rounds": L + extra, "bytes_received": b, "compute": w}

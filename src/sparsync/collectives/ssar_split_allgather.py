@@ -35,9 +35,9 @@ from .sparcml_common import (
     cost_setup,
     allgather_concat,
     direct_split_sum,
-    expected_union,
     num,
     part_bounds,
+    union_model,
 )
 
 
@@ -91,14 +91,10 @@ def split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="rand
             dim *= 2
         return recv, sim.work()
 
-    ident, w_ident = run(lambda j: kp)
-    disj, w_disj = run(lambda j: min(d, j * kp))
-    if pattern == "identical":
-        b, w = ident, w_ident
-    elif pattern == "disjoint":
-        b, w = disj, w_disj
-    elif pattern == "expected":
-        b, w = run(lambda j: round(expected_union(kp, d, j)))
+    ident, w_ident = run(union_model("identical", kp, d))
+    disj, w_disj = run(union_model("disjoint", kp, d))
+    if pattern in ("identical", "disjoint", "expected"):
+        b, w = run(union_model(pattern, kp, d))
     else:
         b, w = (min(ident, disj), max(ident, disj)), w_disj
     return {"rounds": (Pp - 1) + L + extra if Pp > 1 else 0, "bytes_received": num(b), "compute": w}

@@ -14,42 +14,15 @@ import sys
 import time
 
 
-def _floats(s: str) -> list[float]:
-    try:
-        return [float(x) for x in str(s).split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"expected comma-separated numbers, got {s!r}") from None
-
-
-def _ints(s: str) -> list[int]:
-    vals = _floats(s)
-    if any(v != int(v) or v < 1 for v in vals):
-        raise SystemExit(f"expected comma-separated positive integers, got {s!r}")
-    return [int(v) for v in vals]
-
-
-def _names(s: str) -> list[str]:
-    return [x.strip() for x in str(s).split(",") if x.strip()]
-
-
-def _networks(s: str) -> list[str]:
-    from ..cluster import parse_bandwidth
-
-    nets = _names(s)
-    for n in nets:
-        if n != "loopback":
-            try:
-                parse_bandwidth(n)
-            except ValueError as e:
-                raise SystemExit(f"--bandwidth: {e} (or 'loopback')") from None
-    return nets
+from . import COUNT, COUNTS, DENSITIES, DENSITY, NAMES, NETWORKS, WORKERS_LIST, UsageError, deprecated_alias
 
 
 def _common(p) -> None:
-    p.add_argument("--world-sizes", default="4", help="comma list of rank counts (default 4)")
-    p.add_argument("--bandwidth", default="loopback",
+    p.add_argument("--workers", type=WORKERS_LIST, default="4", help="comma list of rank counts")
+    deprecated_alias(p, "--world-sizes", "--workers", "workers", WORKERS_LIST)
+    p.add_argument("--bandwidth", type=NETWORKS, default="loopback",
                    help="comma list of networks: 'loopback' (no namespaces) or a per-link rate of the "
-                        "emulated cluster, e.g. '1gbit', '100mbit', 'none' (default loopback)")
+                        "emulated cluster, e.g. '1gbit', '100mbit', 'none' (namespaces, no limit)")
     p.add_argument("--fallback-loopback", action="store_true",
                    help="when the emulated cluster cannot be built (no root), warn and use loopback")
     p.add_argument("--seed", type=int, default=0)
@@ -65,20 +38,19 @@ def _allreduce(args) -> int:
     from ..bench.report import fmt_bytes, fmt_ms, fmt_num, fmt_speedup, format_table, write_csv
     from ..cluster import ClusterUnavailable
 
-    patterns = _names(args.patterns)
+    patterns = args.patterns
     for p in patterns:
         if p not in PATTERNS:
-            raise SystemExit(f"unknown pattern {p!r}; choose from {', '.join(PATTERNS)}")
+            raise UsageError(f"unknown pattern {p!r}; choose from {', '.join(PATTERNS)}")
     try:
         algorithms = expand_algorithms(args.algorithms)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        raise UsageError(str(e)) from None
     if "dense" not in algorithms:
         algorithms = ["dense"] + algorithms  # the speedup column needs it
     t0 = time.perf_counter()
     try:
-        rows = run_allreduce_bench(_ints(args.world_sizes), [int(x) for x in _floats(args.numel)],
-                                   _floats(args.densities), patterns, algorithms, _networks(args.bandwidth),
+        rows = run_allreduce_bench(args.workers, args.numel, args.densities, patterns, algorithms, args.bandwidth,
                                    repeats=args.repeats, warmup=args.warmup, seed=args.seed,
                                    check=not args.no_check, timeout=args.timeout,
                                    fallback_loopback=args.fallback_loopback, progress=not args.quiet)
@@ -117,29 +89,33 @@ def _reducers(args) -> int:
     try:
         reducers = expand_reducers(args.reducers)
     except ValueError as e:
-        raise SystemExit(str(e)) from None
+        raise UsageError(str(e)) from None
     if "dense" not in reducers:
         reducers = ["dense"] + reducers
     t0 = time.perf_counter()
     try:
-        rows = run_reducer_bench(reducers, _ints(args.world_sizes), int(float(args.numel)), args.density,
-                                 _networks(args.bandwidth), steps=args.steps, warmup=args.warmup,
+        rows = run_reducer_bench(reducers, args.workers, args.numel, args.density,
+                                 args.bandwidth, steps=args.steps, warmup=args.warmup,
                                  seed=args.seed, timeout=args.timeout, fallback_loopback=args.fallback_loopback,
-                                 progress=not args.quiet)
+                                 progress=not args.quiet, pattern=args.pattern, residuals=args.residual)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     except ClusterUnavailable as e:
         print(f"sparsync bench reducers: {e}", file=sys.stderr)
         return 2
     shown = [dict(r, numel=fmt_num(r["numel"]), select=fmt_ms(r.get("select_s")), comm=fmt_ms(r.get("comm_s")),
                   total=fmt_ms(r.get("total_s")), speedup=fmt_speedup(r.get("speedup")),
                   sent=fmt_bytes(r.get("bytes_sent")), achieved=f"{r.get('density', 0):.4g}") for r in rows]
-    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("reducer", "reducer"),
+    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("residual", "residual"),
+            ("reducer", "reducer"),
             ("select", "select ms"), ("comm", "comm ms"), ("total", "total ms"), ("speedup", "vs dense"),
             ("sent", "sent/rank"), ("achieved", "density")]
     print(format_table(shown, cols, markdown=args.markdown))
-    print(f"(target density {args.density:g}; median over {args.steps} steps of the max over ranks; "
-          f"total {time.perf_counter() - t0:.0f} s)")
+    print(f"(gradients {args.pattern}; target density {args.density:g}; median over {args.steps} steps of the "
+          f"max over ranks; total {time.perf_counter() - t0:.0f} s)")
     if args.csv:
-        write_csv(args.csv, rows, ["network", "world_size", "numel", "target_density", "reducer", "select_s",
+        write_csv(args.csv, rows, ["network", "world_size", "numel", "pattern", "residual", "target_density",
+                                   "reducer", "select_s",
                                    "comm_s", "total_s", "wall_s", "speedup", "bytes_sent", "bytes_received",
                                    "rounds", "messages", "density", "selected", "steps", "total_s_all"])
         print(f"wrote {args.csv}")
@@ -153,11 +129,14 @@ def register(subparsers) -> None:
 
     a = sub.add_parser("allreduce", help="dense all-reduce vs lossless sparse all-reduce algorithms")
     _common(a)
-    a.add_argument("--numel", default="1e7", help="comma list of vector lengths (default 1e7)")
-    a.add_argument("--densities", default="0.01,0.001", help="comma list of densities (default 0.01,0.001)")
-    a.add_argument("--patterns", default="random", help="comma list of random, identical, disjoint")
-    a.add_argument("--algorithms", default="dense,allgather,torch_sparse",
-                   help="comma list; 'all' = dense + every registered algorithm (dense is always added)")
+    a.add_argument("--numel", type=COUNTS, default="1e7", help="comma list of vector lengths")
+    a.add_argument("--densities", type=DENSITIES, default="0.01,0.001", help="comma list of densities")
+    a.add_argument("--patterns", type=NAMES, default="random",
+                   help="comma list of random, identical, disjoint, heavy_tail (issue 11's workload: top-k of "
+                        "two alternated heavy-tailed gradients)")
+    a.add_argument("--algorithms", default="dense,plain_allgather,allgather,torch_sparse",
+                   help="comma list; 'all' = dense, plain_allgather + every registered algorithm "
+                        "(dense is always added)")
     a.add_argument("--repeats", type=int, default=5, help="timed steps per algorithm (default 5)")
     a.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm (default 1)")
     a.add_argument("--no-check", action="store_true", help="skip the exactness / cross-rank checks")
@@ -166,9 +145,15 @@ def register(subparsers) -> None:
     r = sub.add_parser("reducers", help="lossy reducers end to end: select / comm / total time")
     _common(r)
     r.add_argument("--reducers", default="dense,topka", help="comma list or 'all' (dense is always added)")
-    r.add_argument("--numel", default="1e7", help="gradient length (default 1e7)")
-    r.add_argument("--density", type=float, default=0.01)
+    r.add_argument("--numel", type=COUNT, default="1e7", help="gradient length")
+    r.add_argument("--density", type=DENSITY, default=0.01)
     r.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
+    r.add_argument("--pattern", default="normal",
+                   help="gradients: 'normal' (3 seeded normal vectors, cycled) or 'heavy_tail' (issue 11's "
+                        "workload: two heavy-tailed gradients per rank, alternated)")
+    r.add_argument("--residual", type=NAMES, default="keep",
+                   help="comma list of 'keep' (residual carried between calls, steady state) and 'reset' "
+                        "(residual zeroed before every call); one table block per mode (default keep)")
     r.set_defaults(func=_reducers)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

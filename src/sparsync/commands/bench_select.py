@@ -17,33 +17,31 @@ from __future__ import annotations
 
 import sys
 
-
-def _list(s, conv):
-    try:
-        return [conv(float(x)) if conv is int else conv(x) for x in str(s).split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"bad comma list: {s!r}") from None
+from . import UsageError
 
 
 def register(subparsers) -> None:
+    from . import COUNT, COUNTS, DENSITIES, DENSITY, NAMES, NETWORK, WORKERS, WORKERS_LIST, deprecated_alias
+
     p = subparsers.add_parser("bench-select", help="selection cost and density of MiCRO / threshold sparsifiers",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", default="selection,trace,comm", help="comma list of selection, trace, comm")
-    p.add_argument("--sizes", default="1e6,1e7,1e8", help="vector lengths for the selection part")
-    p.add_argument("--densities", default="0.01,0.001", help="densities for the selection part")
-    p.add_argument("--partitions", type=int, default=4, help="P for MiCRO's partitioned selection (default 4)")
-    p.add_argument("--repeat", type=int, default=5, help="timed repetitions per kernel (median)")
+                              description=__doc__.split("\n\n")[0].replace("``", "`"))
+    p.add_argument("--parts", type=NAMES, default="selection,trace,comm", help="comma list of selection, trace, comm")
+    p.add_argument("--sizes", type=COUNTS, default="1e6,1e7,1e8", help="vector lengths for the selection part")
+    p.add_argument("--densities", type=DENSITIES, default="0.01,0.001", help="densities for the selection part")
+    p.add_argument("--partitions", type=WORKERS, default=4, help="P for MiCRO's partitioned selection")
+    p.add_argument("--repeat", type=WORKERS, default=5, help="timed repetitions per kernel (median)")
     p.add_argument("--device", default="cpu", help="device for the selection part (cpu, cuda)")
-    p.add_argument("--trace-steps", type=int, default=200)
+    p.add_argument("--trace-steps", type=WORKERS, default=200, help="steps of the density trace")
     p.add_argument("--plot", metavar="PNG", help="write the density-vs-step plot here")
-    p.add_argument("--world-sizes", default="4,8", help="rank counts for the comm part")
-    p.add_argument("--numel", default="1e7", help="gradient length for the comm part")
-    p.add_argument("--density", type=float, default=0.01, help="density for the trace and comm parts")
-    p.add_argument("--bandwidth", default="1gbit", help="emulated link rate, or 'loopback'")
-    p.add_argument("--reducers", default="dense,micro,cltk,topka,hard_threshold",
+    p.add_argument("--workers", type=WORKERS_LIST, default="4,8", help="rank counts for the comm part")
+    deprecated_alias(p, "--world-sizes", "--workers", "workers", WORKERS_LIST)
+    p.add_argument("--numel", type=COUNT, default="1e7", help="gradient length for the comm part")
+    p.add_argument("--density", type=DENSITY, default=0.01, help="density for the trace and comm parts")
+    p.add_argument("--bandwidth", type=NETWORK, default="1gbit", help="emulated link rate, or 'loopback'")
+    p.add_argument("--reducers", type=NAMES, default="dense,micro,cltk,topka,hard_threshold",
                    help="comma list; options after a colon, ';'-separated: 'micro:rule=adaptive'")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per reducer in the comm part")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=WORKERS, default=5, help="timed steps per reducer in the comm part")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps per reducer in the comm part")
     p.set_defaults(func=_main)
 
 
@@ -57,17 +55,17 @@ def _main(args) -> int:
     from ..bench import selection as bs
 
     torch.set_num_threads(1)
-    parts = set(_list(args.parts, str))
+    parts = set(args.parts)
     bad = parts - {"selection", "trace", "comm"}
     if bad:
-        raise SystemExit(f"--parts: unknown {', '.join(sorted(bad))}")
+        raise UsageError(f"--parts: unknown {', '.join(sorted(bad))}; valid: selection, trace, comm")
     if "selection" in parts:
         print(f"\n### Selection cost ({args.device}, 1 thread; median of {args.repeat}; ms)\n")
         print(_row(["n", "density", "exact top-k", "threshold naive", "threshold (chunked)",
                     f"MiCRO partition (1/{args.partitions})"]))
         print(_row(["---"] * 6))
-        for n in _list(args.sizes, int):
-            for d in _list(args.densities, float):
+        for n in args.sizes:
+            for d in args.densities:
                 try:
                     rows = bs.time_selection(n, d, P=args.partitions, repeat=args.repeat, device=args.device)
                 except RuntimeError as e:  # out of memory at 1e8 and the like
@@ -81,7 +79,7 @@ def _main(args) -> int:
 
         steps = args.trace_steps
         if steps < 2:
-            raise SystemExit("--trace-steps must be >= 2")
+            raise UsageError("--trace-steps must be >= 2")
         variants = [("micro (histogram, default)", "micro", {}),
                     ("micro rule=adaptive", "micro", {"rule": "adaptive"}),
                     ("micro rule=micro (authors)", "micro", {"rule": "micro"}),
@@ -107,12 +105,12 @@ def _main(args) -> int:
             print(f"\nplot: {args.plot}")
     if "comm" in parts:
         bw = None if args.bandwidth == "loopback" else args.bandwidth
-        n = _list(args.numel, int)[0]
-        names = _list(args.reducers, str)
+        n = args.numel
+        names = args.reducers
         print(f"\n### Reducers, n = {n:.0e}, density {args.density}, {args.bandwidth}; median of max over ranks (ms)\n")
         print(_row(["P", "reducer", "total", "select", "comm", "achieved density", "MB received / rank"]))
         print(_row(["---"] * 7))
-        for P in _list(args.world_sizes, int):
+        for P in args.workers:
             rows = bs.comm_benchmark(P, n, args.density, reducers=names, steps=args.steps, warmup=args.warmup,
                                      bandwidth=bw)
             for r in rows:

@@ -2,7 +2,7 @@
 
 ``smoke`` builds an :class:`~sparsync.cluster.EmulatedCluster`, runs a correctness all-reduce and a
 timed dense all-reduce on it and prints the measured throughput per link next to the ring model
-(``2(P-1)/P * bytes`` over each link, ``spec/README.md`` §2). ``cleanup`` deletes every namespace
+(``2(P-1)/P * bytes`` over each link, docs/cluster.md). ``cleanup`` deletes every namespace
 with the ``ssync`` prefix whose creating process is gone (``--all``: also live ones).
 """
 
@@ -35,7 +35,7 @@ def _smoke(args) -> int:
     from ..cluster import ClusterUnavailable, EmulatedCluster, format_bandwidth
     from ..launch import run_local
 
-    P, n = args.world_size, int(float(args.numel))
+    P, n = args.workers, int(float(args.numel))
     loopback = args.bandwidth == "loopback"
     t0 = time.perf_counter()
     try:
@@ -106,7 +106,10 @@ def register(subparsers) -> None:
                               description=__doc__)
     sub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
     s = sub.add_parser("smoke", help="all-reduce on an emulated cluster and print the throughput")
-    s.add_argument("--world-size", type=int, default=2)
+    from . import WORKERS, deprecated_alias
+
+    s.add_argument("--workers", type=WORKERS, default=2, help="number of ranks")
+    deprecated_alias(s, "--world-size", "--workers", "workers", WORKERS)
     s.add_argument("--bandwidth", default="1gbit",
                    help="per-link rate, e.g. 1gbit, 100mbit; 'none' = namespaces without a limit; "
                         "'loopback' = no namespaces (default 1gbit)")

@@ -8,9 +8,11 @@ options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`
 other key is a reducer option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
 ``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
-report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) goes to ``<runs-dir>/<name>/``.
-Baselines dense SparseDDP, torch DDP and torch DDP + fp16 hook are added unless
-``--no-baselines``.
+report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
+(``comparison.csv``, ``comparison.json``; in Python ``sparsync.train.load_runs(dir)``) go to
+``<runs-dir>/<name>/``. Baselines dense SparseDDP, torch DDP and torch DDP + fp16 hook are added
+unless ``--no-baselines``. Every configuration is checked (names, options, merge plan, network)
+before the first one starts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sys
 from pathlib import Path
 
 from ..convergence import POLICY_OPTIONS
-from .train import _parse_value, add_common, config_from_args, convergence_of
+from . import DENSITY, UsageError
+from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
 
@@ -39,10 +42,10 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
             try:
                 d["density"] = float(dens)
             except ValueError:
-                raise ValueError(f"config {item!r}: density {dens!r} is not a number") from None
+                raise UsageError(f"config {item!r}: density {dens!r} is not a number") from None
         for kv in kvs:
             if "=" not in kv:
-                raise ValueError(f"config {item!r}: {kv!r} should be key=value")
+                raise UsageError(f"config {item!r}: {kv!r} should be key=value")
             k, v = kv.split("=", 1)
             if k.strip() == "merge":
                 d["merge"] = v.strip()
@@ -52,7 +55,7 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
                 d["options"][k.strip()] = _parse_value(v.strip())
         out.append(d)
     if not out:
-        raise ValueError("--configs is empty")
+        raise UsageError("--configs is empty")
     return out
 
 
@@ -67,12 +70,11 @@ def config_slug(c: dict) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("compare", help="run several configurations and write a report",
-                       description="Run several configurations of one workload one after the other on the "
-                                   "same network and write report.md + plots.")
+                       description=__doc__.split("\n", 1)[1].strip().replace("``", "`"))
     add_common(p, compare=True)
     p.add_argument("--configs", default="dense;ddp;ddp-fp16;topka:0.01",
                    help='";"-separated NAME[:DENSITY][,merge=PLAN][,key=value] (default %(default)s)')
-    p.add_argument("--density", type=float, default=0.01, help="density for configs that give none")
+    p.add_argument("--density", type=DENSITY, default=0.01, help="density for configs that give none")
     p.add_argument("--merge", default="single", help="merge plan for configs that give none")
     p.add_argument("--no-baselines", action="store_true", help="do not add dense, ddp and ddp-fp16")
     p.add_argument("--name", default=None, help="comparison name (directory <runs-dir>/<name>)")
@@ -84,6 +86,7 @@ def run(args) -> int:
     from ..train.loop import NetworkUnavailable
     from ..train.runs import CheckpointError, RunExists
 
+    plan(args)  # UsageError (one line, exit 2) before anything runs or is written
     try:
         compare(args)
     except (ValueError, CheckpointError, RunExists, NetworkUnavailable) as e:
@@ -92,14 +95,10 @@ def run(args) -> int:
     return 0
 
 
-def compare(args, notes: list[str] | None = None, title: str | None = None):
-    """Run every configuration; returns (report path, table rows)."""
-    import shutil
-
-    from ..train.loop import check_network, launch, validate
-    from ..train.report import format_table, table_rows, write_report
-    from ..train.runs import RunExists
-
+def plan(args) -> tuple[Path, list]:
+    """The comparison directory and every configuration, each checked by :func:`preflight` (names,
+    reducer / workload / SparseDDP options, merge plan) and the network once — nothing runs or is
+    written. Raises :class:`UsageError` naming the configuration at fault."""
     configs = parse_configs(args.configs, args.density, args.merge)
     if not args.no_baselines:
         have = {c["reducer"] for c in configs}
@@ -108,7 +107,7 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
     name = args.name or f"compare-{args.workload}-P{args.workers}"
     root = Path(args.runs_dir) / name
     cfgs, seen = [], set()
-    for c in configs:
+    for i, c in enumerate(configs):
         slug = config_slug(c)
         while slug in seen:
             slug += "+"
@@ -120,34 +119,52 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
                                options=c["options"], name=slug, convergence=conv)
         cfg.runs_dir = str(root)
         cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
-        validate(cfg)  # every name checked before anything runs
+        try:
+            preflight(cfg, network=i == 0)
+        except UsageError as e:
+            raise UsageError(f"configuration {c['reducer']!r}: {e}") from None
         cfgs.append(cfg)
-    check_network(cfgs[0].network)
+    return root, cfgs
+
+
+def compare(args, notes: list[str] | None = None, title: str | None = None):
+    """Run every configuration; returns (report path, table rows)."""
+    import json
+    import shutil
+
+    from ..train.loop import launch
+    from ..train.records import write_comparison
+    from ..train.report import format_table, table_rows, write_report
+    from ..train.runs import RunExists
+
+    root, cfgs = plan(args)
     if root.exists() and any(root.iterdir()):
         if not args.force:
             raise RunExists(f"comparison directory {root} already exists; pass --force to overwrite it "
                             "or --name to pick another name")
         shutil.rmtree(root)
+    tb = tensorboard_tail(getattr(args, "tensorboard", None), cfgs)
     root.mkdir(parents=True, exist_ok=True)
     done = []
-    for i, cfg in enumerate(cfgs):
-        print(f"[{i + 1}/{len(cfgs)}] {cfg.label()} on {cfg.workers} workers ({cfg.network})", flush=True)
-        try:
-            launch(cfg, force=True)
-            done.append(root / cfg.name)
-        except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
-            print(f"  {cfg.label()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}", file=sys.stderr)
-            (notes := notes if notes is not None else []).append(
-                f"configuration `{cfg.label()}` failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    with tb:
+        for i, cfg in enumerate(cfgs):
+            print(f"[{i + 1}/{len(cfgs)}] {cfg.label()} on {cfg.workers} workers ({cfg.network})", flush=True)
+            try:
+                launch(cfg, force=True)
+                done.append(root / cfg.name)
+            except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
+                print(f"  {cfg.label()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                      file=sys.stderr)
+                (notes := notes if notes is not None else []).append(
+                    f"configuration `{cfg.label()}` failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     if not done:
         raise RuntimeError("every configuration failed")
     title = title or f"{args.workload}: {len(done)} configurations, {cfgs[0].workers} workers, {cfgs[0].network}"
     report = write_report(root, done, title, notes)
-    import json
-
     summaries = [json.loads((d / "summary.json").read_text()) for d in done]
+    csv_path, json_path = write_comparison(root, [dict(s, path=str(d)) for s, d in zip(summaries, done)])
     rows = table_rows(summaries)
     print()
     print(format_table(rows, markdown=False))
-    print(f"\nreport: {os.path.relpath(report)}")
+    print(f"\nreport: {os.path.relpath(report)} (data: {csv_path.name}, {json_path.name})")
     return report, rows

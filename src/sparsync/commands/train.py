@@ -23,7 +23,9 @@ def parse_kv(items: list[str] | None, what: str) -> dict:
             if not part:
                 continue
             if "=" not in part:
-                raise ValueError(f"{what} must look like key=value, got {part!r}")
+                from . import UsageError
+
+                raise UsageError(f"{what} must look like key=value, got {part!r}")
             k, v = part.split("=", 1)
             out[k.strip()] = _parse_value(v.strip())
     return out
@@ -45,26 +47,50 @@ def _parse_value(v: str):
         return v
 
 
+def _float_in(lo, hi, what, lo_open=True):
+    def conv(s):
+        import argparse
+
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected a number, got {s!r}") from None
+        if not ((lo < v if lo_open else lo <= v) and v <= hi):
+            raise argparse.ArgumentTypeError(f"{what} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {s!r}")
+        return v
+
+    return conv
+
+
 def add_common(p, compare: bool = False) -> None:
     """Arguments shared by ``train`` and ``compare``."""
+    from . import NETWORK, WORKERS, deprecated_alias
+
     p.add_argument("--workload", default="digits-mlp", help="digits-mlp | digits-cnn | lm | linear")
-    p.add_argument("--workers", type=int, default=4, help="number of data-parallel ranks (default 4)")
+    p.add_argument("--workers", type=WORKERS, default=4, help="number of data-parallel ranks")
+    deprecated_alias(p, "--world-size", "--workers", "workers", WORKERS)
     net = p.add_mutually_exclusive_group()
-    net.add_argument("--bandwidth", default=None, metavar="RATE",
-                     help="run on the emulated cluster with this per-host link rate, e.g. 1gbit (root only)")
-    net.add_argument("--loopback", action="store_true", help="forked gloo workers over loopback (default)")
+    net.add_argument("--bandwidth", default=None, metavar="RATE", type=NETWORK,
+                     help="run on the emulated cluster with this per-host link rate (root only): 1gbit, 100mbit, "
+                          "1Gb/s, 125MB/s; '1gbps' is refused as ambiguous (docs/train.md, Units)")
+    net.add_argument("--loopback", action="store_true",
+                     help="forked gloo workers over loopback (the default network)")
     net.add_argument("--thread", action="store_true", help=argparse_hidden())
     steps = p.add_mutually_exclusive_group()
-    steps.add_argument("--steps", type=int, default=None, help="training steps (default: the workload's)")
-    steps.add_argument("--epochs", type=float, default=None, help="training epochs instead of --steps")
-    p.add_argument("--batch-size", type=int, default=None, help="per-worker batch size")
-    p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None)
-    p.add_argument("--target-accuracy", type=float, default=None, help="for time-to-target (default: the workload's)")
-    p.add_argument("--eval-every", type=int, default=None, help="evaluate every N steps")
-    p.add_argument("--seed", type=int, default=0)
+    steps.add_argument("--steps", type=WORKERS, default=None, help="training steps (default: the workload's)")
+    steps.add_argument("--epochs", type=_float_in(0, float("inf"), "--epochs"), default=None,
+                       help="training epochs instead of --steps")
+    p.add_argument("--batch-size", type=WORKERS, default=None, help="per-worker batch size (default: the workload's)")
+    p.add_argument("--lr", type=_float_in(0, float("inf"), "--lr"), default=None,
+                   help="learning rate (default: the workload's)")
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
+                   help="(default: the workload's)")
+    p.add_argument("--target-accuracy", type=_float_in(0, 1, "--target-accuracy"), default=None,
+                   help="for time-to-target (default: the workload's)")
+    p.add_argument("--eval-every", type=WORKERS, default=None, help="evaluate every N steps (default: the workload's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data order and the initial parameters")
     p.add_argument("--workload-option", action="append", metavar="KEY=VALUE",
-                   help="workload option, e.g. sparse_embedding=1 or vocab=5000 (repeatable)")
+                   help="workload option, e.g. sparse_embedding=1 or vocab=5000 (repeatable; docs/train.md)")
     p.add_argument("--ddp-option", action="append", metavar="KEY=VALUE",
                    help="extra SparseDDP keyword, e.g. nonfinite=ignore (skips the local NaN/Inf check)")
     conv = p.add_argument_group("convergence at low density (sparse reducers; sparsync.convergence, DGC)")
@@ -78,10 +104,14 @@ def add_common(p, compare: bool = False) -> None:
     conv.add_argument("--warmup-start", type=float, default=None, metavar="S", help="warm-up start density (0.25)")
     conv.add_argument("--local-clip", type=float, default=None, metavar="C",
                       help="clip each rank's gradient to norm C/sqrt(P) before accumulation")
-    p.add_argument("--runs-dir", default="runs", help="parent directory of run directories (default runs/)")
+    p.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
     p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a stuck run is killed")
+    p.add_argument("--timeout", type=_float_in(0, float("inf"), "--timeout"), default=900.0,
+                   help="seconds before a stuck run is killed")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also log loss, accuracy and step time to a TensorBoard directory (needs the "
+                        "tensorboard package: pip install 'sparsync[tensorboard]')")
 
 
 def argparse_bool():
@@ -112,16 +142,20 @@ def network_of(args) -> str:
 
 
 def register(sub) -> None:
+    from . import DENSITY
+
     p = sub.add_parser("train", help="train one configuration (writes runs/<name>/)",
-                       description="Train one configuration of a workload with a gradient reducer.")
+                       description="Train one configuration of a workload with a gradient reducer.\n\n" +
+                       __doc__.split("\n\n", 2)[2].rstrip())
     add_common(p)
     p.add_argument("--reducer", default="dense",
                    help="a registered reducer (an unknown name lists them) or ddp / ddp-fp16 (torch's DDP)")
-    p.add_argument("--density", type=float, default=0.01, help="fraction of gradient entries sent (default 0.01)")
-    p.add_argument("--merge", default="single", help="single | wfbp | buckets:25 | mgwfbp | optimal")
-    p.add_argument("--option", action="append", metavar="KEY=VALUE", help="reducer option (repeatable)")
-    p.add_argument("--name", default=None, help="run name (directory runs/<name>)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps")
+    p.add_argument("--density", type=DENSITY, default=0.01, help="fraction of gradient entries sent")
+    p.add_argument("--merge", default="single", help="single | wfbp | buckets:<MB> | mgwfbp | optimal")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="reducer option (repeatable; an unknown key lists the reducer's options)")
+    p.add_argument("--name", default=None, help="run name (directory <runs-dir>/<name>; default from the config)")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=run)
 
@@ -144,25 +178,90 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         progress=not args.no_progress, timeout=args.timeout)
 
 
+def preflight(cfg, network: bool = True):
+    """Every check that can fail before a rank starts or a directory is created: workload and its
+    options, reducer and its options (against the reducer's signature), merge plan, SparseDDP
+    keywords, numbers, and (``network=True``) whether the emulated network can run here. Raises
+    :class:`~sparsync.commands.UsageError` (one line); returns the built workload (defaults filled in)."""
+    import inspect
+
+    from ..schedule.merge import parse_strategy
+    from ..train.loop import NetworkUnavailable, check_network, validate
+    from ..train.workloads import WORKLOADS
+    from . import UsageError
+
+    try:
+        if cfg.workload in WORKLOADS:
+            valid = [n for n in inspect.signature(WORKLOADS[cfg.workload]).parameters]
+            bad = sorted(set(cfg.workload_options) - set(valid))
+            if bad:
+                raise UsageError(f"workload {cfg.workload!r} has no option {', '.join(bad)}; "
+                                 f"valid: {', '.join(valid) or '(none)'}")
+        wl = validate(cfg)
+        if cfg.is_torch_ddp:
+            for opt, given in (("--option", cfg.reducer_options), ("--ddp-option", cfg.ddp_options)):
+                if given:
+                    raise UsageError(f"{opt} {', '.join(given)}: torch's DDP baseline {cfg.reducer!r} takes no "
+                                     "sparsync reducer / SparseDDP options")
+        else:
+            from ..ddp import SparseDDP
+            from ..reducers.registry import load_all
+
+            load_all()[cfg.reducer].check_options(cfg.reducer_options)
+            parse_strategy(cfg.merge)
+            fixed = {"self", "module", "comm", "reducer", "density", "merge", "reducer_options"}
+            valid = [n for n, p in inspect.signature(SparseDDP.__init__).parameters.items()
+                     if n not in fixed and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+            bad = sorted(set(cfg.ddp_options) - set(valid))
+            if bad:
+                raise UsageError(f"--ddp-option {', '.join(bad)}: not a SparseDDP keyword; valid: {', '.join(valid)}")
+        if network:
+            check_network(cfg.network)
+    except UsageError:
+        raise
+    except (ValueError, TypeError, NetworkUnavailable) as e:
+        raise UsageError(str(e).replace("\n", " ")) from None
+    return wl
+
+
 def under_torchrun() -> bool:
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def run(args) -> int:
-    from ..train.loop import NetworkUnavailable, launch, validate
+    from ..train.loop import NetworkUnavailable, launch
     from ..train.runs import CheckpointError, RunExists
 
+    cfg = config_from_args(args)
+    if under_torchrun():
+        return _run_torchrun(cfg, args)
+    wl = preflight(cfg)  # nothing has started and nothing is on disk yet
+    tb = tensorboard_tail(getattr(args, "tensorboard", None), [cfg])
     try:
-        cfg = config_from_args(args)
-        if under_torchrun():
-            return _run_torchrun(cfg, args)
-        validate(cfg)
-        summary = launch(cfg, force=args.force, resume=args.resume)
+        with tb:
+            summary = launch(cfg, force=args.force, resume=args.resume, workload=wl)
     except (ValueError, CheckpointError, RunExists, NetworkUnavailable) as e:
         print(f"sparsync train: error: {e}", file=sys.stderr)
         return 2
     _print_summary(summary, cfg)
     return 0
+
+
+def tensorboard_tail(logdir, cfgs):
+    """A context that mirrors the runs' ``metrics.jsonl`` into TensorBoard while they train
+    (:mod:`sparsync.train.tensorboard`); a no-op without ``--tensorboard``."""
+    import contextlib
+
+    if not logdir:
+        return contextlib.nullcontext()
+    from ..train.tensorboard import MetricsTail, require_tensorboard
+    from . import UsageError
+
+    try:
+        require_tensorboard()
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    return MetricsTail(logdir, [(cfg.label(), os.path.join(cfg.runs_dir, cfg.name)) for cfg in cfgs])
 
 
 def _print_summary(s: dict, cfg) -> None:
@@ -178,10 +277,10 @@ def _run_torchrun(cfg, args) -> int:
     import torch.distributed as dist
 
     from ..launch import comm_from_env
-    from ..train.loop import train_worker, validate
+    from ..train.loop import train_worker
     from ..train.runs import RunDir
 
-    validate(cfg)
+    preflight(cfg, network=False)
     comm = comm_from_env("gloo")  # CPU training loop; the library's SparseDDP also runs on NCCL
     if comm.world_size != cfg.workers:
         cfg.workers = comm.world_size  # torchrun decides the world size

@@ -1,7 +1,7 @@
 """``sparsync train-linear``: data-parallel SGD for logistic regression / linear SVM on sparse data.
 
-SparCML's MPI-SGD (``spec/sparcml.md`` §8): each step's gradient is naturally sparse (only the
-features present in the batch) and is summed losslessly by a sparse all-reduce. Prints loss and
+SparCML's MPI-SGD (docs/linear.md): each step's gradient is naturally sparse (only the features
+present in the batch) and is summed losslessly by a sparse all-reduce. Prints loss and
 accuracy per epoch and the compute/communication time split (rank 0's wall time).
 
     sparsync train-linear --data synthetic --model logreg --workers 4 --algorithm auto
@@ -16,21 +16,25 @@ import time
 
 
 def register(subparsers) -> None:
+    from . import COUNT, NETWORK, WORKERS, deprecated_alias
+
     p = subparsers.add_parser(
         "train-linear", help="SGD for sparse linear models (logreg/svm) with a sparse all-reduce",
-        description=__doc__.split("\n\n")[1], formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="synthetic", help="svmlight/libsvm FILE, or 'synthetic' (default)")
+        description="\n\n".join(__doc__.split("\n\n")[1:3]).replace("``", "`"))
+    p.add_argument("--data", default="synthetic", help="svmlight/libsvm FILE, or 'synthetic'")
     p.add_argument("--model", choices=("logreg", "svm"), default="logreg")
-    p.add_argument("--workers", type=int, default=4, help="number of ranks P (default 4)")
+    p.add_argument("--workers", type=WORKERS, default=4, help="number of ranks P")
     p.add_argument("--algorithm", default="auto",
                    help="sparse all-reduce (auto, ssar_rec_dbl, ssar_split_allgather, dsar_split_allgather, "
                         "dsar_early_switch, allgather, torch_sparse) or 'dense' (default auto)")
     p.add_argument("--backend", choices=("thread", "gloo"), default="gloo",
                    help="ranks as threads or gloo processes (default gloo; --bandwidth implies gloo)")
-    p.add_argument("--bandwidth", default=None,
+    p.add_argument("--bandwidth", type=NETWORK, default=None,
                    help="run on the emulated cluster with this per-link rate, e.g. 1gbit (needs root)")
-    p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch", type=int, default=250, help="samples per worker per step (global = batch*P)")
+    p.add_argument("--epochs", type=WORKERS, default=5)
+    p.add_argument("--batch-size", type=WORKERS, default=250,
+                   help="samples per worker per step (global = batch size * P)")
+    deprecated_alias(p, "--batch", "--batch-size", "batch_size", WORKERS)
     p.add_argument("--global-batch", type=int, default=None, help="global batch (overrides --batch)")
     p.add_argument("--lr", type=float, default=10.0, help="learning rate on the batch-mean gradient")
     p.add_argument("--l2", type=float, default=0.0, help="L2 regularisation (dense shrink every step)")
@@ -38,9 +42,9 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--zero-based", action="store_true", help="FILE uses 0-based feature indices")
     p.add_argument("--n-features", type=int, default=None, help="declared dimension of FILE")
-    p.add_argument("--samples", type=int, default=20000, help="synthetic: samples (default 20000)")
-    p.add_argument("--features", type=int, default=1_000_000, help="synthetic: dimension (default 1e6)")
-    p.add_argument("--nnz", type=int, default=30, help="synthetic: feature draws per sample (default 30)")
+    p.add_argument("--samples", type=COUNT, default=20000, help="synthetic: samples")
+    p.add_argument("--features", type=COUNT, default=1_000_000, help="synthetic: dimension")
+    p.add_argument("--nnz", type=COUNT, default=30, help="synthetic: feature draws per sample")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.set_defaults(func=run)
 
@@ -57,17 +61,20 @@ def run(args) -> int:
     from sparsync.collectives.registry import load_all
     from sparsync.linear import SvmlightError, load_svmlight, make_synthetic
 
-    if args.workers < 1:
-        print("error: --workers must be >= 1", file=sys.stderr)
-        return 2
+    from . import UsageError
+
     algos = load_all()
     if args.algorithm != "dense" and args.algorithm not in algos:
-        print(f"error: unknown --algorithm {args.algorithm!r}; valid: dense, {', '.join(sorted(algos))}",
-              file=sys.stderr)
-        return 2
+        raise UsageError(f"unknown --algorithm {args.algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
     if not 0 <= args.test_fraction < 1:
-        print("error: --test-fraction must be in [0, 1)", file=sys.stderr)
-        return 2
+        raise UsageError("--test-fraction must be in [0, 1)")
+    if args.bandwidth:
+        from ..train.loop import NetworkUnavailable, check_network
+
+        try:
+            check_network(args.bandwidth)
+        except NetworkUnavailable as e:
+            raise UsageError(str(e)) from None
     t0 = time.perf_counter()
     try:
         if args.data == "synthetic":
@@ -78,7 +85,7 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     train_ds, test_ds = ds.split(args.test_fraction, args.seed) if args.test_fraction > 0 else (ds, None)
-    gb = args.global_batch or args.batch * args.workers
+    gb = args.global_batch or args.batch_size * args.workers
     print(f"data: {args.data}: {ds.n_samples} samples, {ds.n_features} features, {ds.nnz} non-zeros "
           f"({ds.nnz / max(1, ds.n_samples):.1f}/sample), loaded in {time.perf_counter() - t0:.1f} s; "
           f"train {train_ds.n_samples}, test {test_ds.n_samples if test_ds else 0}")

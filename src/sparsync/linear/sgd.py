@@ -80,12 +80,10 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
             elif comm.world_size == 1:
                 total = g
             else:
-                total = algos[algorithm](g, comm, **algo_options)
+                info = {}
+                total = algos[algorithm](g, comm, report=info, **algo_options)
                 if algorithm == "auto":
-                    from ..collectives.auto import last_choice
-
-                    name = last_choice(comm)
-                    picked[name] = picked.get(name, 0) + 1
+                    picked[info["algorithm"]] = picked.get(info["algorithm"], 0) + 1
             t2 = time.perf_counter()
             step = lr / b
             if l2:

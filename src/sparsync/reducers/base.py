@@ -52,14 +52,39 @@ class Reducer:
     conserving = True
 
     def __init__(self, comm, density: float = 0.01, **options):
-        if options:
-            raise TypeError(f"reducer {self.name!r} got unknown options: {', '.join(sorted(options))}")
+        if options:  # what no subclass consumed
+            self.check_options(options, _unknown=options)
         self.comm = comm
         self.density = check_density(density)
         self.residual: torch.Tensor | None = None
         self.step = 0
         self.numel: int | None = None
         self.stats: dict = {}
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The keyword options ``make_reducer(name, comm, density, **options)`` accepts: the named
+        parameters of every ``__init__`` along the MRO (subclasses pass the rest up with ``**rest``)."""
+        import inspect
+
+        names = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or klass is object:
+                continue
+            for p in inspect.signature(init).parameters.values():
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in ("self", "comm", "density"):
+                    names.add(p.name)
+        return sorted(names)
+
+    @classmethod
+    def check_options(cls, options: dict, _unknown=None) -> None:
+        """TypeError naming the unknown keys of ``options`` and the valid ones (before any work)."""
+        valid = cls.option_names()
+        unknown = sorted(_unknown if _unknown is not None else set(options) - set(valid))
+        if unknown:
+            raise TypeError(f"reducer {cls.name!r} got unknown options: {', '.join(unknown)}; "
+                            f"valid: {', '.join(valid) or '(none)'}")
 
     # ------------------------------------------------------------------ public API
     def reduce(self, grad: torch.Tensor) -> torch.Tensor:

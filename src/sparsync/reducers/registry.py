@@ -23,5 +23,7 @@ def load_all() -> Registry:
 
 
 def make_reducer(name: str, comm, density: float = 0.01, **options):
-    """A new reducer of kind ``name`` for this rank; unknown names list the valid ones."""
-    return REDUCERS.lookup(name)(comm, density=density, **options)
+    """A new reducer of kind ``name`` for this rank; unknown names, and unknown options, list the valid ones."""
+    cls = REDUCERS.lookup(name)
+    cls.check_options(options)
+    return cls(comm, density=density, **options)

@@ -75,13 +75,13 @@ class SparCMLReducer(Reducer):
         if self.algorithm == "auto" and self.selection in ("topk", "bucketed"):
             # fixed-size selections: every rank sends the same count, known without asking the others
             opts["k"] = idx.numel()
+        info = {}
         with self.timed("comm"):
-            out = load_all()[self.algorithm](SparseVec(idx, vals, self.numel, check=False), self.comm, **opts)
+            out = load_all()[self.algorithm](SparseVec(idx, vals, self.numel, check=False), self.comm,
+                                             report=info, **opts)
             out = as_dense(out)
-        if self.algorithm == "auto":
-            from ..collectives.auto import last_choice
-
-            self.stats["algorithm"] = last_choice(self.comm)
+        if "algorithm" in info:
+            self.stats["algorithm"] = info["algorithm"]
         return out
 
     def _extra_state(self) -> dict:

@@ -17,41 +17,30 @@ Two sources:
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
+from ..units import parse_duration, parse_rate
+
 __all__ = ["CostModel", "default_sizes", "parse_bandwidth", "parse_seconds"]
 
 
 def parse_bandwidth(s) -> float:
-    """``"1gbit"``, ``"100mbit"``, ``"10gbps"``, ``"125MB"`` (bytes/s) or a number of bytes/s -> bytes/s."""
-    if isinstance(s, (int, float)):
-        if s <= 0:
+    """Bytes per second: a string by :func:`sparsync.units.parse_rate`'s rule (``"1gbit"`` =
+    125e6, ``"125MB/s"``; ``"1gbps"`` is refused as ambiguous); a number is already bytes/s."""
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        if not s > 0:
             raise ValueError(f"bandwidth must be positive, got {s}")
         return float(s)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b|byte|bytes)?(/s)?\s*", str(s).lower())
-    if not m:
-        raise ValueError(f"cannot parse bandwidth {s!r}; examples: 1gbit, 100mbit, 125MB")
-    val = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    unit = m.group(3) or "bit"
-    val = val / 8 if unit in ("bit", "bps") else val
-    if val <= 0:
-        raise ValueError(f"bandwidth must be positive, got {s!r}")
-    return val
+    return parse_rate(s) / 8
 
 
 def parse_seconds(s) -> float:
-    """``"50us"``, ``"0.2ms"``, ``"1e-4"`` -> seconds."""
-    if isinstance(s, (int, float)):
-        return float(s)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(s|ms|us|ns)?\s*", str(s).lower())
-    if not m:
-        raise ValueError(f"cannot parse a time from {s!r}; examples: 50us, 0.2ms")
-    return float(m.group(1)) * {"s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, None: 1}[m.group(2)]
+    """``"50us"``, ``"0.2ms"``, ``"1e-4"`` -> seconds (:func:`sparsync.units.parse_duration`)."""
+    return parse_duration(s)
 
 
 def default_sizes(max_bytes: int, points: int = 8, min_bytes: int = 1024) -> list[int]:

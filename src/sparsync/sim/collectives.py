@@ -241,9 +241,9 @@ def sweep(n: int = 1 << 16, density: float = 0.01, alpha: float = ALPHA, beta: f
 
 def plot(result: dict, path) -> None:
     """Time vs P (log-log): formula lines (band for bounds), executed points."""
-    import matplotlib
+    from ..extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plots", "the simulator plot").use("Agg")
     import matplotlib.pyplot as plt
 
     names = sorted({(r["algo"], r["kind"]) for r in result["predicted"]})

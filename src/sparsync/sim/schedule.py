@@ -193,9 +193,9 @@ def load_profile(path) -> dict:
 
 def plot_speedup(results: dict, path, title: str) -> None:
     """``results``: {panel title: rows of :func:`simulate`} -> speed-up vs workers, one panel each."""
-    import matplotlib
+    from ..extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plots", "the schedule plot").use("Agg")
     import matplotlib.pyplot as plt
 
     n = len(results)

@@ -4,14 +4,22 @@ Input: run directories written by :mod:`sparsync.train.loop` (``summary.json``, 
 Output, in the comparison directory:
 
 * ``accuracy_vs_time.png``  held-out accuracy against training wall-clock (evaluation excluded);
+* ``loss_vs_time.png``      training loss (rank 0, moving average over 5 steps) against wall-clock;
 * ``step_breakdown.png``    median time per step: the main thread's compute (forward + backward
   compute + optimizer) and wait (reduction not hidden behind backward), next to the reducers' own
   selection and communication time (which may overlap backward); torch DDP has no split (its
   all-reduce runs inside backward), shown as one bar;
 * ``bytes_per_step.png``    median bytes sent per rank per step (log scale);
-* ``density.png``           achieved density (entries transmitted / entries) per step;
+* ``density.png``           achieved density (entries transmitted / entries) per step of the sparse
+  runs (dense and torch DDP send everything: a density of 1 by definition, left out so they do not
+  hide the scale);
 * ``report.md``             the table (median step, split, MB/step, density, time to target
-  accuracy, final accuracy, speed-up over dense's time to target) and the plots.
+  accuracy, final accuracy, speed-up over dense: in time to target, or — when this run or dense
+  did not reach the target — in median step time, marked "step") and the plots.
+
+Lines that coincide (dense SparseDDP and torch DDP send the same bytes) stay visible: every run
+gets its own line style and marker, drawn thinner the later it comes.
+The same runs as data: ``comparison.csv`` / ``comparison.json`` (:mod:`sparsync.train.records`).
 
 Time to target = training wall-clock at the first evaluation whose accuracy reaches the target.
 """
@@ -23,6 +31,19 @@ import math
 from pathlib import Path
 
 __all__ = ["format_table", "table_rows", "write_report"]
+
+_STYLES = ["-", "--", "-.", ":"]
+_MARKERS = ["o", "s", "^", "v", "D", "x", "+", "*"]
+
+
+def _style(i: int, n_points: int) -> dict:
+    """A distinct (line style, marker, width) per run so that equal curves do not hide each other."""
+    return {"ls": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)], "ms": 4,
+            "markevery": max(1, n_points // 8), "lw": max(0.8, 2.4 - 0.3 * i)}
+
+
+def _is_baseline(s: dict) -> bool:
+    return s.get("reducer") in ("dense", "ddp", "ddp-fp16")
 
 
 def _load(run_dir: Path) -> tuple[dict, list[dict]]:
@@ -36,13 +57,20 @@ def _ms(v):
 
 
 def table_rows(summaries: list[dict]) -> list[dict]:
-    """One row per run; ``vs_dense`` = dense SparseDDP time-to-target / this run's."""
-    dense = next((s for s in summaries if s["reducer"] == "dense"), None)
-    base_t = dense.get("time_to_target_s") if dense else None
+    """One row per run; ``vs_dense`` = dense SparseDDP time-to-target / this run's, or, when either
+    did not reach the target, dense's median step time / this run's (marked ``step``)."""
+    from .records import add_speedups
+
     floor = next((s.get("median_step_s") for s in summaries if s["reducer"] == "nocomm"), None)
     rows = []
-    for s in summaries:
+    for s in add_speedups([dict(x) for x in summaries]):
         tt = s.get("time_to_target_s")
+        if s["speedup_time_to_target"] is not None:
+            vs = f"{s['speedup_time_to_target']:.2f}x"
+        elif s["speedup_step"] is not None:
+            vs = f"{s['speedup_step']:.2f}x step"
+        else:
+            vs = "–"
         rows.append({
             "config": s["label"], "name": s["name"],
             "step_ms": _ms(s.get("median_step_s")), "compute_ms": _ms(s.get("median_compute_s")),
@@ -54,7 +82,7 @@ def table_rows(summaries: list[dict]) -> list[dict]:
             "density": "–" if s.get("median_density") is None else f"{s['median_density']:.4f}",
             "time_to_target": "not reached" if tt is None else f"{tt:.2f} s",
             "final_acc": "–" if s.get("final_accuracy") is None else f"{100 * s['final_accuracy']:.2f} %",
-            "vs_dense": ("–" if tt is None or base_t is None else f"{base_t / tt:.2f}x"),
+            "vs_dense": vs,
         })
     return rows
 
@@ -80,9 +108,9 @@ def format_table(rows: list[dict], markdown: bool = True) -> str:
 
 def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, notes: list[str] | None = None) -> Path:
     """Write plots and report.md into ``out_dir``; returns the report path."""
-    import matplotlib
+    from ..extras import require
 
-    matplotlib.use("Agg")
+    require("matplotlib", "plots", "the comparison report").use("Agg")
     import matplotlib.pyplot as plt
 
     out_dir = Path(out_dir)
@@ -93,9 +121,9 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
 
     # accuracy vs wall-clock
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for s, m in runs:
+    for i, (s, m) in enumerate(runs):
         ev = [r for r in m if "accuracy" in r]
-        ax.plot([r["time_s"] for r in ev], [r["accuracy"] for r in ev], marker=".", label=s["label"])
+        ax.plot([r["time_s"] for r in ev], [r["accuracy"] for r in ev], label=s["label"], **_style(i, len(ev)))
     if target:
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
     ax.set_xlabel("training wall-clock (s, evaluation excluded)")
@@ -105,6 +133,25 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "accuracy_vs_time.png", dpi=110)
+    plt.close(fig)
+
+    # training loss vs wall-clock (moving average: single steps are noisy)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (s, m) in enumerate(runs):
+        pts = [(r["time_s"], r["loss"]) for r in m if _finite(r.get("loss")) and _finite(r.get("time_s"))]
+        k = 5
+        smooth = [sum(p[1] for p in pts[max(0, j - k + 1):j + 1]) / len(pts[max(0, j - k + 1):j + 1])
+                  for j in range(len(pts))]
+        if pts:
+            ax.plot([p[0] for p in pts], smooth, label=s["label"], **_style(i, len(pts)))
+    ax.set_xlabel("training wall-clock (s, evaluation excluded)")
+    ax.set_ylabel("training loss (rank 0, mean of the last 5 steps)")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss_vs_time.png", dpi=110)
     plt.close(fig)
 
     # step breakdown: left bar = main thread (compute + wait), right bar = reducer work (select + comm)
@@ -140,16 +187,21 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
     for key, fname, ylabel, logy in (("bytes_sent", "bytes_per_step.png", "bytes sent per rank per step", True),
                                      ("density", "density.png", "achieved density", True)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for s, m in runs:
+        for i, (s, m) in enumerate(runs):
+            if key == "density" and _is_baseline(s):
+                continue  # density 1 by definition; drawn, it squeezes the sparse runs into the bottom
             pts = [(r["step"], r[key]) for r in m if isinstance(r.get(key), (int, float)) and r[key] > 0]
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=s["label"])
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=s["label"], **_style(i, len(pts)))
+        if key == "density" and any(_is_baseline(s) for s in summaries):
+            ax.set_title("dense and torch DDP send every entry (density 1; not drawn)", fontsize=9)
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out_dir / fname, dpi=110)
         plt.close(fig)
@@ -169,8 +221,12 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
                "overlap backward; `wait` is the communication left after backward. torch DDP rows have no split "
                "(their all-reduce runs inside backward); their bytes are the ring all-reduce formula. "
                "`x floor` = step time / the no-communication floor's (same model and data, gradients not "
-               "exchanged; its accuracy is rank 0's local model)."), ""]
-    for f, cap in (("accuracy_vs_time.png", "accuracy vs wall-clock"), ("step_breakdown.png", "time per step"),
+               "exchanged; its accuracy is rank 0's local model). "
+               "`speed-up vs dense` is in time to target; `step` marks the median step-time ratio, shown when "
+               "this run or dense did not reach the target. The same numbers as data: `comparison.csv`, "
+               "`comparison.json`."), ""]
+    for f, cap in (("accuracy_vs_time.png", "accuracy vs wall-clock"), ("loss_vs_time.png", "loss vs wall-clock"),
+                   ("step_breakdown.png", "time per step"),
                    ("bytes_per_step.png", "bytes per step"), ("density.png", "achieved density")):
         lines += [f"![{cap}]({f})", ""]
     lines += ["Runs: " + ", ".join(f"`{Path(d)}`" for d in run_dirs), ""]

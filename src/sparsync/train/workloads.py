@@ -101,7 +101,9 @@ class Workload:
 
 # ---------------------------------------------------------------------------- digits
 def _digits():
-    from sklearn.datasets import load_digits
+    from ..extras import require
+
+    load_digits = require("sklearn.datasets", "train", "the digits workloads").load_digits
 
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16.0

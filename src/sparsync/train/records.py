@@ -1,0 +1,77 @@
+"""Runs as records: :func:`load_runs` (Python) and ``comparison.csv`` / ``comparison.json`` (files).
+
+A record is one run's ``summary.json`` (what ``sparsync train`` / ``compare`` wrote) plus ``path``
+(its directory) and the speed-ups over the dense SparseDDP run of the same comparison:
+``speedup_time_to_target`` (dense's time to target / this run's; None when either did not reach it)
+and ``speedup_step`` (dense's median step time / this run's). ``with_metrics=True`` adds the
+per-step lines of ``metrics.jsonl`` as ``metrics``.
+
+    import sparsync.train as st
+    runs = st.load_runs("runs/make-run")                  # a comparison, or one run directory
+    best = min(runs, key=lambda r: r["time_to_target_s"] or float("inf"))
+
+No torch and no pandas needed; ``pandas.DataFrame(load_runs(d))`` works when pandas is there.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+__all__ = ["CSV_COLUMNS", "add_speedups", "load_runs", "write_comparison"]
+
+#: the scalar columns of comparison.csv, in order (the JSON file holds every summary field)
+CSV_COLUMNS = ["name", "label", "workload", "reducer", "density", "merge", "workers", "network", "steps", "numel",
+               "final_accuracy", "best_accuracy", "target_accuracy", "time_to_target_s", "train_time_s",
+               "median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
+               "mean_step_s", "median_bytes_sent", "median_density", "final_train_loss",
+               "speedup_time_to_target", "speedup_step"]
+
+
+def _run_dirs(path: Path) -> list[Path]:
+    if (path / "summary.json").exists():
+        return [path]
+    return sorted(p.parent for p in path.glob("*/summary.json"))
+
+
+def add_speedups(records: list[dict]) -> list[dict]:
+    """Set ``speedup_time_to_target`` and ``speedup_step`` relative to the dense SparseDDP record."""
+    dense = next((r for r in records if r.get("reducer") == "dense"), None)
+    for r in records:
+        tt, bt = r.get("time_to_target_s"), dense and dense.get("time_to_target_s")
+        st, bs = r.get("median_step_s"), dense and dense.get("median_step_s")
+        r["speedup_time_to_target"] = bt / tt if tt and bt else None
+        r["speedup_step"] = bs / st if st and bs else None
+    return records
+
+
+def load_runs(path, with_metrics: bool = False) -> list[dict]:
+    """Every run under ``path`` (a comparison directory, or one run directory) as a dict."""
+    path = Path(path)
+    dirs = _run_dirs(path)
+    if not dirs:
+        raise FileNotFoundError(f"no run (summary.json) in {path} or its sub-directories")
+    out = []
+    for d in dirs:
+        rec = json.loads((d / "summary.json").read_text())
+        rec["path"] = str(d)
+        if with_metrics:
+            mf = d / "metrics.jsonl"
+            rec["metrics"] = [json.loads(x) for x in mf.read_text().splitlines() if x.strip()] if mf.exists() else []
+        out.append(rec)
+    return add_speedups(out)
+
+
+def write_comparison(out_dir, records: list[dict]) -> tuple[Path, Path]:
+    """``comparison.csv`` (one row per run, :data:`CSV_COLUMNS`) and ``comparison.json`` (full records)."""
+    out_dir = Path(out_dir)
+    records = add_speedups([dict(r) for r in records])
+    csv_path, json_path = out_dir / "comparison.csv", out_dir / "comparison.json"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in records:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
+    json_path.write_text(json.dumps({"runs": records}, indent=1, default=str))
+    return csv_path, json_path
