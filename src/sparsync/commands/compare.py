@@ -21,7 +21,6 @@ import os
 import sys
 from pathlib import Path
 
-from ..convergence import POLICY_OPTIONS
 from . import DENSITY, UsageError
 from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
@@ -30,6 +29,8 @@ BASELINES = ("dense", "ddp", "ddp-fp16")
 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
     """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``."""
+    from ..convergence import POLICY_OPTIONS
+
     out = []
     for item in spec.split(";"):
         item = item.strip()
