@@ -134,7 +134,7 @@ class GradientPolicy:
                              f"{tuple(grad.shape)} {grad.dtype}; a policy belongs to one merge plan")
         if u.device != grad.device:  # loaded from a checkpoint (kept on the CPU)
             u = self.velocity[key] = u.to(grad.device)
-        return u.mul_(self.momentum).add_(grad)
+        return torch.add(grad, u, alpha=self.momentum, out=u)  # u = g + m u in one pass
 
     def after_reduce(self, key: int, reducer) -> None:
         """Momentum-factor masking: clear the velocity where the residual is zero (entry sent)."""
