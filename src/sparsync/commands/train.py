@@ -198,10 +198,10 @@ def preflight(cfg, network: bool = True):
                 raise UsageError(f"workload {cfg.workload!r} has no option {', '.join(bad)}; "
                                  f"valid: {', '.join(valid) or '(none)'}")
         wl = validate(cfg)
-        if cfg.is_torch_ddp:
+        if cfg.is_torch_ddp or cfg.reducer == "nocomm":
             for opt, given in (("--option", cfg.reducer_options), ("--ddp-option", cfg.ddp_options)):
                 if given:
-                    raise UsageError(f"{opt} {', '.join(given)}: torch's DDP baseline {cfg.reducer!r} takes no "
+                    raise UsageError(f"{opt} {', '.join(given)}: the baseline {cfg.reducer!r} takes no "
                                      "sparsync reducer / SparseDDP options")
         else:
             from ..ddp import SparseDDP
