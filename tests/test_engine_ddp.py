@@ -231,7 +231,7 @@ def _resume_after_switch(comm):
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
-    assert ddp.engine.final and ckpt["ddp"]["sparsync"]["final"]
+    assert ddp.engine.final and ckpt["ddp"]["_extra_state"]["final"]
     ddp.close()
     m2 = _model(comm.rank + 17)
     ddp2 = ss.SparseDDP(m2, comm, reducer="topka", density=0.1, merge="mgwfbp", cost_model=(1e-3, 1e-8))

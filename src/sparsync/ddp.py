@@ -18,9 +18,11 @@ What it does (``spec/mgwfbp.md`` §5, issue 6):
   (:mod:`sparsync.schedule.engine`);
 * when ``loss.backward()`` returns, every ``param.grad`` holds ``sum over ranks / P`` of what the
   reducers transmitted — bitwise identical on every rank, so parameters stay identical;
-* ``state_dict()`` / ``load_state_dict()``: module parameters and buffers, the plan, and every
-  reducer's state (residuals, step counters, the method's own state), with no process group
-  inside, so a resumed run continues bitwise identically;
+* ``state_dict()`` / ``load_state_dict()``: a well-behaved ``nn.Module`` - the model's tensors under
+  ``module.*`` like torch DDP (``_orig_mod.module.*`` under ``torch.compile``), and the engine state
+  (the plan, every reducer's residuals / counters / own state, the policy's state; no process group)
+  as this module's extra state ``_extra_state`` (``sparsync_state_dict()`` alone), so a resumed run
+  continues bitwise identically;
 * sparse gradients (``nn.Embedding(sparse=True)``) are densified into their group, or — when the
   reducer has a ``reduce_sparse(coo)`` method — sent alone through it.
 
@@ -35,8 +37,9 @@ import torch
 from torch import nn
 
 from .schedule.engine import OverlapEngine
+from .schedule.worker import CommWorker
 
-__all__ = ["DDPHook", "SparseDDP", "ddp_hook"]
+__all__ = ["DDPHook", "SparseDDP", "agree_steps", "ddp_hook"]
 
 
 class SparseDDP(nn.Module):
@@ -45,41 +48,80 @@ class SparseDDP(nn.Module):
     Args:
         module: the model (identical architecture on every rank).
         comm: a :class:`sparsync.Comm` (``TorchComm`` or ``ThreadComm``), or a torch process group
-            (wrapped in a ``TorchComm``), or None for the default process group.
+            (wrapped in a ``TorchComm``), or None for the default process group. ``process_group=``
+            is accepted as a synonym (torch DDP's name).
         reducer: registered reducer name (``dense``, ``topka``, ...; see ``ss.make_reducer``).
         density: fraction of entries each reducer may send.
-        merge: ``"wfbp"``, ``"single"``, ``"buckets:<MB>"``, ``"mgwfbp"`` or ``"optimal"``.
+        merge: ``"wfbp"``, ``"single"``, ``"buckets:<MB>"``, ``"mgwfbp"`` or ``"optimal"``; default
+            ``"single"``, or ``"buckets:<bucket_cap_mb>"`` when ``bucket_cap_mb`` is given.
         reducer_options: extra keyword options for the reducer.
+        policy: a convergence policy (``sparsync.convergence.GradientPolicy`` or any object with its
+            methods): ``density(step, target)`` sets every reducer's density before a step,
+            ``before_reduce(group, grad, reducer)`` / ``after_reduce(group, reducer)`` run around each
+            group's reduce on the communication thread; its ``state_dict()`` is part of the sparsync
+            state (bitwise resume). Not applied to the sparse path (``reduce_sparse``).
         nonfinite: ``"error"`` (default: a NaN/Inf gradient raises ``FloatingPointError`` on the
             rank that saw it, with no extra collective; the launcher stops the others), ``"skip"``
             (one small flag all-gather per step; every rank drops the step: ``.grad`` set to None),
             ``"ignore"`` (no check).
         unused: ``"zero"`` (default: parameters without a gradient contribute zeros, like
             ``find_unused_parameters=True``) or ``"error"`` (raise on every rank).
-        broadcast_buffers: broadcast rank 0's buffers before every forward (like DDP); default True.
+        broadcast_buffers: keep rank 0's buffers on every rank (like DDP); default True. Buffers are
+            broadcast at construction and at the end of every synchronised backward (so the next
+            forward sees rank 0's buffers, as with DDP's broadcast before forward, and the forward
+            stays free of collectives under ``torch.compile``).
         profile_warmup, profile_steps: steps before / of profiling for ``mgwfbp``/``optimal``.
         cost_model: ``(a, b)`` seconds and seconds per byte, or a ``CostModel``; skips the fit.
         profile: a ``BackwardProfile`` / ``{"order", "t_b"}``; with ``cost_model`` skips profiling.
         timeline: path of a Chrome-trace JSON per rank (``{rank}`` or ``.rank<r>`` is inserted).
+
+    torch DDP's arguments (see ``docs/engine.md``, "torch DDP arguments"): ``device_ids`` and
+    ``output_device`` (None, or the single device the module lives on; the module is not moved),
+    ``find_unused_parameters`` (either value: unused parameters always contribute zeros, at no
+    cost - no graph traversal), ``gradient_as_bucket_view`` (default True here: ``.grad`` are views
+    into the per-group flat buffers; False gives each step fresh gradient tensors),
+    ``static_graph`` (accepted, nothing to do: the engine needs no graph analysis),
+    ``bucket_cap_mb`` (the ``buckets:<MB>`` plan), ``init_sync`` (False skips the broadcast at
+    construction), ``dim`` (0 only). Anything else DDP takes (``mixed_precision``,
+    ``device_mesh``, ...) raises ``TypeError``.
     """
 
     def __init__(self, module: nn.Module, comm=None, reducer: str = "dense", density: float = 0.01,
-                 merge: str = "single", reducer_options: dict | None = None, *, nonfinite: str = "error",
-                 unused: str = "zero", broadcast_buffers: bool = True, profile_warmup: int = 2,
-                 profile_steps: int = 5, cost_model=None, profile=None, timeline: str | None = None,
-                 timeline_steps: int = 50, cost_max_bytes: int = 64 << 20):
+                 merge: str | None = None, reducer_options: dict | None = None, *, policy=None,
+                 nonfinite: str = "error", unused: str = "zero", broadcast_buffers: bool = True,
+                 profile_warmup: int = 2, profile_steps: int = 5, cost_model=None, profile=None,
+                 timeline: str | None = None, timeline_steps: int = 50, cost_max_bytes: int = 64 << 20,
+                 process_group=None, device_ids=None, output_device=None, dim: int = 0,
+                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
+                 static_graph: bool = False, bucket_cap_mb: float | None = None, init_sync: bool = True,
+                 **ddp_kwargs):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"SparseDDP wraps an nn.Module, got {type(module).__name__}")
-        comm = _as_comm(comm)
+        if ddp_kwargs:
+            raise TypeError(f"SparseDDP does not support torch DDP's {', '.join(sorted(ddp_kwargs))} "
+                            "(see docs/engine.md, 'torch DDP arguments')")
+        if comm is not None and process_group is not None:
+            raise TypeError("pass either comm or process_group, not both")
+        if dim != 0:
+            raise ValueError(f"SparseDDP splits nothing (inputs are per rank already); dim must be 0, got {dim}")
+        _check_devices(module, device_ids, output_device)
+        if merge is None:
+            merge = "single" if bucket_cap_mb is None else f"buckets:{float(bucket_cap_mb):g}"
+        elif bucket_cap_mb is not None:
+            raise ValueError("pass either merge= or bucket_cap_mb=, not both")
+        comm = _as_comm(comm if comm is not None else process_group)
         self.module = module
         self.comm = comm
         self.broadcast_buffers = bool(broadcast_buffers)
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.static_graph = bool(static_graph)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError("SparseDDP: the module has no trainable parameters")
         _check_same_params(comm, named)
-        if comm.world_size > 1:
+        if comm.world_size > 1 and init_sync:
             with comm.phase("sparseddp-init"):
                 _broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), comm)
         sparse_ids = _sparse_grad_params(module)
@@ -88,23 +130,28 @@ class SparseDDP(nn.Module):
             [p for _, p in named], [n for n, _ in named], comm, reducer, density, reducer_options, merge,
             nonfinite=nonfinite, unused=unused, profile_warmup=profile_warmup, profile_steps=profile_steps,
             cost_model=cost_model, profile=profile, timeline=timeline, timeline_steps=timeline_steps,
-            sparse_params=sparse_idx, cost_max_bytes=cost_max_bytes)
+            sparse_params=sparse_idx, cost_max_bytes=cost_max_bytes, policy=policy)
+        self._engine.buffers.as_view = self.gradient_as_bucket_view
+        if self.broadcast_buffers and comm.world_size > 1:
+            self._engine.after_step = self._sync_buffers
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
-        if self.broadcast_buffers and torch.is_grad_enabled():
-            bufs = [b for b in self.module.buffers()]
-            if bufs and self.comm.world_size > 1:
-                with self.comm.phase("sparseddp-buffers"):
-                    _broadcast_tensors(bufs, self.comm)
         out = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
-            flat, _ = torch.utils._pytree.tree_flatten(out)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # timestamps the start of backward (``backward_s``); skipped while dynamo traces, so a
+            # compiled forward has no graph break (then backward_s starts at the first gradient)
             eng = self._engine
-            for t in flat:
+            for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda g: eng.mark_backward_start())
+                    t.register_hook(eng.backward_started)
         return out
+
+    def _sync_buffers(self):
+        bufs = list(self.module.buffers())
+        if bufs:
+            with self.comm.phase("sparseddp-buffers"):
+                _broadcast_tensors(bufs, self.comm)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -116,10 +163,23 @@ class SparseDDP(nn.Module):
         finally:
             self._engine.sync_enabled = prev
 
+    def join(self, *args, **kwargs):
+        """Uneven inputs are not shadowed: every rank must run the same number of synchronised steps.
+
+        Raises ``NotImplementedError`` with the recipe (also in ``docs/engine.md``, "Uneven inputs"):
+        agree on the step count before the loop, e.g. ``n = ss.ddp.agree_steps(len(loader), comm)``
+        (one all-reduce: the minimum over ranks), or use ``DistributedSampler(drop_last=True)``.
+        """
+        raise NotImplementedError(
+            "SparseDDP.join(): uneven inputs are not supported - a rank that stops early would leave the "
+            "others waiting in the sparse collectives. Run the same number of steps on every rank: "
+            "steps = sparsync.ddp.agree_steps(len(loader), comm) (minimum over ranks) or "
+            "DistributedSampler(drop_last=True). See docs/engine.md, 'Uneven inputs'.")
+
     # ------------------------------------------------------------------ information
     @property
     def last_stats(self) -> dict:
-        """Statistics of the last synchronised step (see module docstring)."""
+        """Statistics of the last synchronised step (see ``docs/engine.md``, "Statistics")."""
         return self._engine.last_stats
 
     @property
@@ -136,21 +196,43 @@ class SparseDDP(nn.Module):
     def reducers(self) -> list:
         return self._engine.reducers
 
+    @property
+    def policy(self):
+        return self._engine.policy
+
     def predictions(self, t_f: float = 0.0) -> dict:
         """Predicted iteration time per strategy (after profiling; empty before)."""
         return self._engine.predictions(t_f=t_f)
 
     # ------------------------------------------------------------------ state
-    def state_dict(self, *args, **kwargs) -> dict:
-        """``{"module": module.state_dict(), "sparsync": engine state}`` (no process group inside)."""
-        return {"module": self.module.state_dict(), "sparsync": self._engine.state_dict()}
+    # The model's tensors come out of ``state_dict()`` like torch DDP's (``module.<name>``, and
+    # ``_orig_mod.module.<name>`` under torch.compile; ``prefix``/``destination``/``keep_vars`` as
+    # any nn.Module). The engine state (plan, reducers' residuals/thresholds/controllers/steps,
+    # the policy's state) is this module's *extra state*: key ``<prefix>_extra_state``.
+    def get_extra_state(self) -> dict:
+        return self.sparsync_state_dict()
 
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        if not isinstance(state_dict, dict) or "module" not in state_dict or "sparsync" not in state_dict:
-            raise ValueError("SparseDDP.load_state_dict expects the dict returned by SparseDDP.state_dict()")
-        res = self.module.load_state_dict(state_dict["module"], strict=strict)
-        self._engine.load_state_dict(state_dict["sparsync"])
-        return res
+    def set_extra_state(self, state) -> None:
+        self.load_sparsync_state_dict(state)
+
+    def sparsync_state_dict(self) -> dict:
+        """The engine state alone (no model tensors, no process group): what ``_extra_state`` holds."""
+        return self._engine.state_dict()
+
+    def load_sparsync_state_dict(self, state: dict) -> None:
+        if isinstance(state, dict) and "sparsync" in state and "reducers" not in state:
+            state = state["sparsync"]  # the pre-0.2 layout {"module", "sparsync"}
+        if not isinstance(state, dict) or "reducers" not in state:
+            raise ValueError("expected the dict returned by SparseDDP.sparsync_state_dict() "
+                             f"(the '_extra_state' entry of SparseDDP.state_dict()), got {type(state).__name__}")
+        self._engine.load_state_dict(state)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """As ``nn.Module.load_state_dict``; also takes the pre-0.2 layout ``{"module", "sparsync"}``."""
+        if isinstance(state_dict, dict) and set(state_dict) == {"module", "sparsync"}:
+            state_dict = {**{f"module.{k}": v for k, v in state_dict["module"].items()},
+                          "_extra_state": state_dict["sparsync"]}
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread."""
@@ -161,6 +243,33 @@ class SparseDDP(nn.Module):
             self._engine.close()
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown
             pass
+
+
+def agree_steps(n_local: int, comm=None) -> int:
+    """The number of steps every rank can run: the minimum of ``n_local`` over ranks (one all-reduce)."""
+    comm = _as_comm(comm)
+    if comm.world_size == 1:
+        return int(n_local)
+    with comm.unrecorded():
+        t = comm.allreduce(torch.tensor([-int(n_local)], dtype=torch.int64, device=comm.device), op="max")
+    return -int(t[0])
+
+
+def _check_devices(module, device_ids, output_device):
+    devs = {p.device for p in module.parameters()}
+    if device_ids is not None:
+        ids = list(device_ids)
+        if len(ids) != 1:
+            raise ValueError(f"device_ids must be None or name one device (single-device modules), got {ids}")
+        want = torch.device(ids[0] if not isinstance(ids[0], int) else f"cuda:{ids[0]}")
+        if devs != {want}:
+            raise ValueError(f"device_ids={ids}: the module's parameters are on {sorted(map(str, devs))}; "
+                             "SparseDDP does not move the module - move it first (model.to(device))")
+    if output_device is not None:
+        want = torch.device(output_device if not isinstance(output_device, int) else f"cuda:{output_device}")
+        if devs != {want}:
+            raise ValueError(f"output_device={output_device}: outputs stay on the module's device "
+                             f"{sorted(map(str, devs))}; SparseDDP does not move them")
 
 
 # ---------------------------------------------------------------------- helpers
@@ -239,8 +348,22 @@ class DDPHook:
     ``model.register_comm_hook(state, ss.ddp_hook("topka", density=0.01))``: ``state`` may be None
     (a ``TorchComm`` over DDP's default group is created on first use), a sparsync ``Comm``, a
     process group, or the DDP model itself (its ``process_group`` is used). One reducer per bucket
-    index (``bucket.index()``); returns the averaged bucket (sum / P). The reduce runs synchronously
-    inside the hook (no overlap beyond what DDP's bucketing gives).
+    index (``bucket.index()``).
+
+    **Asynchronous** (default), like torch's ``allreduce_hook`` / ``powerSGD_hook``: the hook
+    returns at once a ``torch.futures.Future`` that completes when the bucket's reduction is done;
+    the reduction (error feedback, selection, the collectives, ``sum / P`` written into the
+    bucket) runs on one FIFO communication thread per hook, so DDP keeps computing backward and
+    launching later buckets meanwhile. DDP launches buckets in index order on every rank, and the
+    FIFO thread keeps that order, so every rank issues identical collectives in identical order and
+    the result stays bitwise identical across ranks (and bitwise equal to ``asynchronous=False``,
+    where the reduction runs inside the hook). With ``find_unused_parameters=True`` DDP issues its
+    own all-reduce during backward; give the hook its own group then (``state=dist.new_group()``).
+
+    **State**, saved like PowerSGD's: ``torch.save(hook, f)`` pickles the hook's state without the
+    process group, worker thread or module (``hook.state_dict()`` / ``load_state_dict`` give the
+    same as a dict); ``hook = torch.load(f, weights_only=False)`` and register it again
+    (``model.register_comm_hook(model, hook)`` gives it the module for the per-parameter layout).
 
     DDP lays its buckets out in one order in the first iteration and rebuilds them in gradient-ready
     order after it, so a bucket's contents can move. The hook therefore needs to know the model's
@@ -248,12 +371,14 @@ class DDPHook:
     :func:`ddp_hook` (or the DDP model as ``state``). It then records each bucket's layout (parameter
     indices of ``module.parameters()``), and ``state_dict()`` stores residuals **per parameter**; a
     reducer created for a new layout gets its residual re-assembled from those pieces (other reducer
-    state is kept only when the layout is unchanged). Without a module, a bucket whose size changes
-    gets a fresh reducer and a loaded state is used only for a bucket of the same size — correct only
+    state is kept only when the layout is unchanged). After a load, a bucket tiled exactly by saved
+    buckets (DDP's first iteration, before its rebuild) is reduced part by part with the saved
+    reducers, so a resume is bitwise. Without a module, a bucket whose size changes
+    gets a fresh reducer and a loaded state is used only for a bucket of the same size - correct only
     if the layout did not change (a warning says so).
     """
 
-    def __init__(self, reducer: str, density: float = 0.01, module=None, **options):
+    def __init__(self, reducer: str, density: float = 0.01, module=None, asynchronous: bool = True, **options):
         from .reducers.registry import load_all
 
         if reducer not in load_all():
@@ -262,13 +387,29 @@ class DDPHook:
         self.__name__ = self.__qualname__ = f"sparsync_{reducer}_hook"  # torch DDP reads these
         self.density = density
         self.options = options
+        self.asynchronous = bool(asynchronous)
         self.comm = None
         self.module = module
         self._pindex = None
+        self._worker = None
         self.reducers: dict[int, object] = {}
         self.layouts: dict[int, list | None] = {}
         self._pending: dict | None = None
         self.last_stats: dict = {}
+
+    def __getstate__(self):
+        return {"reducer": self.reducer_name, "density": self.density, "options": dict(self.options),
+                "asynchronous": self.asynchronous, "state": self.state_dict()}
+
+    def __setstate__(self, d):
+        self.__init__(d["reducer"], d["density"], asynchronous=d.get("asynchronous", True), **d["options"])
+        self.load_state_dict(d["state"])
+
+    def close(self) -> None:
+        """Stop the communication thread (a later call starts a new one)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     def _comm_for(self, state):
         if self.comm is None:
@@ -314,9 +455,32 @@ class DDPHook:
 
     def __call__(self, state, bucket):
         comm = self._comm_for(state)
+        fut = torch.futures.Future()
+
+        def job():
+            try:
+                fut.set_result(self._reduce_bucket(comm, bucket))
+            except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+                fut.set_exception(e)
+
+        if not self.asynchronous:
+            job()
+            return fut
+        if self._worker is None:
+            self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
+        self._worker.submit(job)
+        return fut
+
+    def _reduce_bucket(self, comm, bucket):
+        """Reduce one bucket in place: ``bucket.buffer() := sum over ranks / P`` (one write pass)."""
         buf = bucket.buffer()
         idx = int(bucket.index())
         layout = self._layout(bucket)
+        parts = self._saved_parts(idx, layout)
+        if parts is not None:
+            self._reduce_saved_parts(comm, buf, layout, parts)
+            self._finish_bucket(bucket)
+            return buf
         r = self.reducers.get(idx)
         if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
             if r is not None and self._pending is None and layout is not None:
@@ -324,14 +488,52 @@ class DDPHook:
             r = self._new_reducer(idx, buf.numel(), layout)
             self.reducers[idx] = r
             self.layouts[idx] = layout
-        out = r.reduce(buf.reshape(-1)).reshape(buf.shape).to(buf.dtype) / comm.world_size
+        flat = buf.reshape(-1)
+        out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
+        torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
         self.last_stats[idx] = dict(r.stats)
+        self._finish_bucket(bucket)
+        return buf
+
+    def _finish_bucket(self, bucket):
         if bucket.is_last():
             self._pending = None if all(i in self.reducers for i in (self._pending or {}).get("buckets", {})) \
                 else self._pending
-        fut = torch.futures.Future()
-        fut.set_result(out)
-        return fut
+
+    def _saved_parts(self, idx, layout):
+        """After a load: the saved buckets that tile this bucket exactly, when this bucket's layout is
+        not a saved one (DDP's first iteration after construction has its own layout, before the
+        rebuild). Reducing those parts with their saved reducers, in saved index order, is what the
+        uninterrupted run did - so a resume is bitwise whatever DDP's initial layout."""
+        pend = self._pending
+        if pend is None or layout is None:
+            return None
+        saved = {i: b.get("layout") for i, b in pend["buckets"].items() if b.get("layout") is not None}
+        if saved.get(idx) == layout:
+            return None
+        want = set(layout)
+        parts = sorted(i for i, lay in saved.items() if set(lay) <= want)
+        if sorted(j for i in parts for j in saved[i]) != sorted(layout):
+            return None
+        return [(i, saved[i]) for i in parts]
+
+    def _reduce_saved_parts(self, comm, buf, layout, parts):
+        sizes = self._param_sizes()
+        offsets, off = {}, 0
+        for j in layout:
+            offsets[j] = off
+            off += sizes[j]
+        flat = buf.reshape(-1)
+        for i, lay in parts:
+            index = torch.cat([torch.arange(offsets[j], offsets[j] + sizes[j], device=flat.device) for j in lay])
+            r = self.reducers.get(i)
+            if r is None or self.layouts.get(i) != lay:
+                r = self._new_reducer(i, index.numel(), lay)
+                self.reducers[i], self.layouts[i] = r, lay
+            x = flat[index]
+            out = r.reduce(x if x.dtype.is_floating_point else x.float())
+            flat[index] = (out / comm.world_size).to(flat.dtype)
+            self.last_stats[i] = dict(r.stats)
 
     def _param_sizes(self):
         return [p.numel() for p in self.module.parameters()] if self.module is not None else None
@@ -363,10 +565,11 @@ class DDPHook:
         self.layouts = {}
 
 
-def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, **options) -> DDPHook:
+def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, asynchronous: bool = True,
+             **options) -> DDPHook:
     """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
 
     ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
-    rebuild and across a resume.
+    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook (no overlap).
     """
-    return DDPHook(reducer, density, module=module, **options)
+    return DDPHook(reducer, density, module=module, asynchronous=asynchronous, **options)

@@ -251,7 +251,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         model.load_state_dict(blob["model"])
         opt.load_state_dict(blob["optimizer"])
         if blob.get("engine") is not None and hasattr(ddp, "load_state_dict") and not cfg.is_torch_ddp:
-            ddp.load_state_dict(blob["engine"])
+            ddp.load_sparsync_state_dict(blob["engine"])
         start = int(blob["step"])
         train_time = float(blob["loop"]["train_time"])
         evals = list(blob["loop"]["evals"])
@@ -261,7 +261,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         if rd is None:
             return
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "engine": ddp.state_dict() if (not cfg.is_torch_ddp and hasattr(ddp, "state_dict")) else None,
+                 "engine": ddp.sparsync_state_dict() if (ddp is not None and not cfg.is_torch_ddp) else None,
                  "loop": {"train_time": train_time, "evals": evals, "time_to_target": time_to_target}}
         save_checkpoint(rd.ckpt_dir(step) / f"rank{rank}.pt", cfg, rank, step, state)
         comm.barrier()
