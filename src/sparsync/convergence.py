@@ -19,7 +19,9 @@ extra byte. They are implemented here, per merge group, around ``reducer.reduce`
   ``u = u ⊙ ¬mask``, so stale momentum does not keep pushing a coordinate whose accumulated update was
   just applied. "Sent" = the reducer's residual is exactly zero there after the reduce (what every
   conserving top-k reducer leaves for a transmitted entry; for a reducer with no residual, e.g.
-  ``dense``, everything counts as sent, which makes momentum correction + masking plain SGD).
+  ``dense``, everything counts as sent, which makes momentum correction + masking plain SGD). With
+  half-precision values on the wire (``value_dtype``) a sent entry keeps its rounding error in the
+  residual, so masking then clears only the entries whose value was exact in fp16/bf16.
 * **Density warm-up** (DGC §3.3, "warm-up training"): the density decays exponentially from
   ``warmup_start`` to the target over the first ``warmup_steps`` optimizer steps,
   ``d(t) = s (d/s)^(t/T)``, so the first, fast-changing gradients are not held back for long
