@@ -1,4 +1,4 @@
-"""``sparsync run-default`` (what ``make run`` calls): the default comparison, about four minutes.
+"""``sparsync run-default`` (what ``make run`` calls): the default comparison, about five minutes.
 
 digits wide MLP (64-2048-2048-10, 4.35M parameters), 4 workers, on the emulated 1 Gbit/s cluster
 when this process may build one (root + iproute2), otherwise over loopback — said clearly, because
@@ -27,7 +27,7 @@ TORCH_ROWS = ["ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"]
 
 
 def register(sub) -> None:
-    p = sub.add_parser("run-default", help="the default comparison `make run` shows (about four minutes)")
+    p = sub.add_parser("run-default", help="the default comparison `make run` shows (about five minutes)")
     p.add_argument("--steps", type=int, default=None, help="steps per configuration (default 100; lm: its own)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--workload", default="digits-mlp", help="digits-mlp (default) or lm")
