@@ -129,6 +129,8 @@ OTHER_ERRORS = [
     (["bench-select", "--parts", "bogus"], "--parts: unknown bogus"),
     (["train-linear", "--algorithm", "nope", "--backend", "thread"], "unknown --algorithm 'nope'"),
     (["train-linear", "--batch-size", "0"], "positive integer"),
+    (["cluster", "smoke", "--bandwidth", "1gbps"], "ambiguous"),
+    (["run-default", "--steps", "0"], "positive integer"),
     (["nosuchcommand"], "invalid choice"),
 ]
 
@@ -197,7 +199,7 @@ def test_make_reducer_unknown_option_names_valid_ones():
 
     with pytest.raises(TypeError, match=r"unknown options: bogus; valid: .*teams"):
         ss.make_reducer("spardl", None, 0.01, bogus=1)
-    with pytest.raises(TypeError, match=r"unknown options: teams; valid: value_dtype$"):  # the base's only option
+    with pytest.raises(TypeError, match=r"unknown options: teams; valid: nonfinite, value_dtype$"):  # the base's
         ss.make_reducer("topka", None, 0.01, teams=2)
 
 

@@ -15,7 +15,7 @@ SCRIPT = textwrap.dedent("""
         return ss.sparse_allreduce(sv, comm, algorithm="allgather").to_dense().tolist()
 
     out = ss.torchrun_main(work, 4)
-    print("RESULT", out, flush=True)
+    sys.stdout.write(f"RESULT {out}" + chr(10))  # one write: torchrun runs python -u, print's pieces interleave
 """)
 
 

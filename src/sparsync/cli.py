@@ -7,12 +7,19 @@ User errors (a bad option, an unknown name, a rate that cannot be read) are one 
 exit code 2, never a traceback: argparse's own errors through :class:`Parser`, errors found while
 validating through :class:`sparsync.commands.UsageError`. ``--help`` shows every default. Building
 the parsers imports no torch, so ``sparsync --help`` / ``--version`` are instant.
+
+Errors at run time that reach :func:`main` also end in one line (``SPARSYNC_TRACEBACK=1`` prints the
+traceback too): exit code 2 for what the user can fix (a checkpoint or run directory that does not
+fit, a runs dir that is a file or read-only, a full disk), 1 for a run that failed (a rank crashed,
+stopped or raised; NaN), 130 for Ctrl-C. Table of cases: docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
+import os
 import pkgutil
 import sys
 
@@ -117,6 +124,50 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - mapped to one line and an exit code
+        code = exit_code(e)
+        if code is None:
+            raise  # a bug: keep the traceback
+        if os.environ.get("SPARSYNC_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"sparsync {args.command}: error: {one_line(e)}", file=sys.stderr)
+        return code
+
+
+#: errno values of a filesystem the user must fix (permissions, a file where a directory belongs,
+#: read-only, full disk, quota)
+_USER_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST,
+                errno.ENOSPC, errno.EDQUOT, errno.ENOENT, errno.ENAMETOOLONG}
+
+
+def exit_code(e: BaseException) -> int | None:
+    """2: the user can fix it; 1: the run failed; None: unexpected (a bug - show the traceback)."""
+    from .cluster import ClusterUnavailable
+    from .launch import RankFailed
+    from .train.loop import NetworkUnavailable
+    from .train.runs import CheckpointError, RunExists
+
+    if isinstance(e, (CheckpointError, RunExists, NetworkUnavailable, ClusterUnavailable)):
+        return 2
+    if isinstance(e, OSError) and e.errno in _USER_ERRNOS:
+        return 2
+    if isinstance(e, (ValueError, TypeError)) and getattr(e, "rank", None) is None:
+        return 2
+    if isinstance(e, (RankFailed, FloatingPointError)) or getattr(e, "rank", None) is not None:
+        return 1
+    return None
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message`` (rank already named by the launcher), the path for OSError."""
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        who = f"rank {e.rank}: " if getattr(e, "rank", None) is not None else ""
+        return f"{who}{e.strerror}{where}"
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
 if __name__ == "__main__":

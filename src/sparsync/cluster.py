@@ -30,8 +30,13 @@ Topology of one instance (names are unique per instance: ``ssync<pid>s<subnet>``
 
 Cleanup always happens: ``__exit__``, an ``atexit`` hook, and SIGINT/SIGTERM handlers that clean
 up and then chain to the previous handler. Deleting the namespaces deletes their veths and bridge.
-``sparsync cluster cleanup`` (:func:`cleanup_stale`) removes what a killed run (SIGKILL) left:
-every namespace with our prefix whose owner process is gone.
+When the process is killed (SIGKILL) while ``run_local`` runs ranks on the cluster, its reaper
+process deletes the namespaces (:func:`sparsync.launch.on_orphan`); the ranks die with their parent.
+``sparsync cluster cleanup`` (:func:`cleanup_stale`) removes whatever is still left: every
+namespace with our prefix whose owner process is gone, rank processes (``ss<pid>r<rank>``) of dead
+launchers and anything running inside the stale namespaces, and stale ``sparsync-store-<pid>-*``
+rendezvous directories. The subnet lock is ``/run/sparsync/cluster.lock`` (root-only directory,
+opened with ``O_NOFOLLOW``).
 
 Needs root (or CAP_NET_ADMIN + CAP_SYS_ADMIN) and iproute2 (``ip``, ``tc``). We drive iproute2
 through ``subprocess`` (``check``-ed, stderr in the error) rather than pyroute2: its 0.9 series
@@ -52,6 +57,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import warnings
 from collections.abc import Callable
@@ -65,6 +71,8 @@ __all__ = [
     "ClusterUnavailable",
     "EmulatedCluster",
     "cleanup_stale",
+    "stale_rank_processes",
+    "stale_stores",
     "format_bandwidth",
     "list_namespaces",
     "netns_unavailable_reason",
@@ -77,8 +85,10 @@ SUBNET_BASE = "10.157"  # 10.157.<s>.0/24, s in 1..254, never routed anywhere
 IFNAME = "eth0"
 BRIDGE = "br0"
 NETNS_DIR = "/var/run/netns"
-_LOCK_PATH = "/tmp/sparsync-cluster.lock"
+_LOCK_DIR = "/run/sparsync"  # root-only, not the world-writable /tmp (no planted links)
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)s(\d+)(r\d+|br)$")
+_RANK_PROC_RE = re.compile(r"^ss(\d+)r(\d+)$")  # launch.rank_process_name
+_STORE_RE = re.compile(r"^sparsync-store-(\d+)-")  # launch.STORE_PREFIX + launcher pid
 _CLONE_NEWNET = 0x40000000
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
@@ -191,29 +201,84 @@ def _delete_namespaces(names) -> list[str]:
     return failed
 
 
-def cleanup_stale(all_instances: bool = False) -> list[str]:
-    """Remove namespaces left by crashed runs: our prefix and a dead owner pid (any owner with
-    ``all_instances=True`` - that also breaks clusters that are running now). Returns the names removed.
+def _proc_comm(pid: str) -> str | None:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _namespace_pids(ns: str) -> list[int]:
+    try:
+        out = subprocess.run(["ip", "netns", "pids", ns], check=False, capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [int(x) for x in out.split() if x.isdigit()]
+
+
+def stale_rank_processes(all_instances: bool = False) -> list[int]:
+    """Pids of rank processes (``ss<launcher pid>r<rank>``) whose launcher is gone."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        m = _RANK_PROC_RE.match(_proc_comm(pid) or "")
+        if m and int(pid) != os.getpid() and (all_instances or not _pid_alive(int(m.group(1)))):
+            out.append(int(pid))
+    return out
+
+
+def stale_stores(all_instances: bool = False) -> list[str]:
+    """``sparsync-store-<pid>-*`` rendezvous directories of launchers that are gone."""
+    tmp = tempfile.gettempdir()
+    out = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(tmp):
+            m = _STORE_RE.match(name)
+            path = os.path.join(tmp, name)
+            if (m and os.path.isdir(path) and not os.path.islink(path)
+                    and (all_instances or not _pid_alive(int(m.group(1))))):
+                out.append(path)
+    return out
+
+
+def cleanup_stale(all_instances: bool = False, namespaces: bool = True) -> list[str]:
+    """Remove what crashed runs left: rank processes whose launcher is gone, their rendezvous stores,
+    and namespaces with our prefix and a dead owner pid (any owner with ``all_instances=True`` - that
+    also breaks runs that are alive now). ``namespaces=False``: processes and stores only (no root
+    needed). Returns what was removed, one description each.
     """
-    ours = [(n, _NAME_RE.match(n)) for n in list_namespaces()]
+    removed = []
+    ours = [(n, _NAME_RE.match(n)) for n in (list_namespaces() if namespaces else [])]
     victims = [n for n, m in ours if m and (all_instances or not _pid_alive(int(m.group(1))))]
-    # root-namespace links with our prefix: none are created by this module, but remove any a
-    # modified or interrupted older version may have left
+    procs = set(stale_rank_processes(all_instances))
+    for ns in victims:  # anything still running inside a namespace we are about to delete
+        procs.update(_namespace_pids(ns))
+    for pid in sorted(procs):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            removed.append(f"process {pid}")
+    for path in stale_stores(all_instances):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(f"store {path}")
+    # root-namespace links: this module creates none, but an interrupted older version may have
+    # left some; only names of our own pattern with a dead owner
     links = []
-    if shutil.which("ip"):
+    if namespaces and shutil.which("ip"):
         out = subprocess.run(["ip", "-o", "link", "show"], check=False, capture_output=True, text=True).stdout
         for line in out.splitlines():
             parts = line.split(":")
             if len(parts) > 1:
                 name = parts[1].strip().split("@")[0]
-                if name.startswith(PREFIX):
+                m = _NAME_RE.match(name)
+                if m and (all_instances or not _pid_alive(int(m.group(1)))):
                     links.append(name)
     for link in links:
         subprocess.run(["ip", "link", "delete", link], check=False, capture_output=True)
     failed = _delete_namespaces(victims)
     if failed:
         raise RuntimeError("could not delete: " + "; ".join(failed))
-    return victims + [f"link {x}" for x in links]
+    return removed + victims + [f"link {x}" for x in links]
 
 
 _libc = None
@@ -275,6 +340,18 @@ def _restore_handlers() -> None:
         del _PREV_HANDLERS[sig]
 
 
+def _lock_file():
+    """The subnet-allocation lock: ``/run/sparsync/cluster.lock`` in a root-only directory, opened
+    with O_NOFOLLOW (no symlink planted by another user can redirect it)."""
+    os.makedirs(_LOCK_DIR, mode=0o700, exist_ok=True)
+    st = os.lstat(_LOCK_DIR)
+    if not os.path.isdir(_LOCK_DIR) or os.path.islink(_LOCK_DIR) or st.st_uid != os.geteuid():
+        raise ClusterUnavailable(f"{_LOCK_DIR} is not a directory owned by this user; remove it")
+    fd = os.open(os.path.join(_LOCK_DIR, "cluster.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    return os.fdopen(fd, "r+")
+
+
 # ---------------------------------------------------------------------- the cluster
 class EmulatedCluster:
     """``world_size`` network namespaces behind a bridge, links optionally rate-limited with tbf.
@@ -304,6 +381,7 @@ class EmulatedCluster:
         self._owner_pid: int | None = None
         self._created: list[str] = []
         self._open = False
+        self._unregister_orphan: Callable[[], None] | None = None
 
     # -------------------------------------------------------------- public
     def __enter__(self) -> Self:
@@ -328,6 +406,10 @@ class EmulatedCluster:
         atexit.register(self.close)
         try:
             self._build()
+            from .launch import on_orphan
+
+            names = list(reversed(self._created))  # run_local's reaper deletes them if we are SIGKILLed
+            self._unregister_orphan = on_orphan(lambda: _delete_namespaces(names))
         except BaseException as e:
             self.close()
             if isinstance(e, ClusterUnavailable):
@@ -354,6 +436,9 @@ class EmulatedCluster:
         if not self._open or os.getpid() != self._owner_pid:
             return
         self._open = False
+        if self._unregister_orphan is not None:
+            self._unregister_orphan()
+            self._unregister_orphan = None
         try:
             failed = _delete_namespaces(reversed(self._created))
         finally:
@@ -395,7 +480,7 @@ class EmulatedCluster:
 
     def _build(self) -> None:
         os.makedirs(NETNS_DIR, exist_ok=True)
-        with open(_LOCK_PATH, "a+") as lockf:
+        with _lock_file() as lockf:
             fcntl.flock(lockf, fcntl.LOCK_EX)
             used = {int(m.group(2)) for m in map(_NAME_RE.match, list_namespaces()) if m}
             free = [s for s in range(1, 255) if s not in used]

@@ -163,7 +163,17 @@ def _validated(indices, values, numel):
         raise TypeError(f"SparseVec indices must be integers, got {indices.dtype}")
     if indices.numel() != values.numel():
         raise ValueError(f"SparseVec has {indices.numel()} indices but {values.numel()} values")
-    numel = int(numel)
+    if isinstance(numel, torch.Tensor) and numel.numel() == 1 and not numel.dtype.is_floating_point:
+        numel = int(numel)
+    if isinstance(numel, bool) or not isinstance(numel, int):  # 2.7 must not become 2 silently
+        import operator
+
+        try:
+            if isinstance(numel, bool):
+                raise TypeError
+            numel = operator.index(numel)
+        except TypeError:
+            raise TypeError(f"SparseVec numel must be an integer, got {numel!r}") from None
     if numel < 0:
         raise ValueError(f"SparseVec numel must be >= 0, got {numel}")
     indices = indices.to(torch.int64)

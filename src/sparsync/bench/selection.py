@@ -37,6 +37,7 @@ from ..select.threshold import (
 __all__ = [
     "SELECTORS",
     "comm_benchmark",
+    "compare_exact_topk",
     "density_trace",
     "mlp_gradient_stream",
     "plot_density",
@@ -89,6 +90,37 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
         out.append({"selector": name, "numel": int(numel), "density": density,
                     "P": P if name == "micro_partition" else 1, "device": str(device), "time_s": t})
     return out
+
+
+def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu") -> dict:
+    """``torch.topk`` vs the exact kernel (:func:`~sparsync.select.exact.topk_indices`) side by side.
+
+    Input: issue 11's heavy-tailed gradient of rank 0 (:func:`~sparsync.bench.patterns.heavy_tail_grad`).
+    The two are timed alternately (one call each per repetition, so both see the same machine
+    load) after one untimed call each; ``torch.topk`` is timed as a reducer uses it (``|x|``, then
+    the top-k indices sorted). Returns the medians, their ratio, and whether the index sets are equal.
+    """
+    from ..select.exact import topk_indices
+    from .patterns import heavy_tail_grad
+
+    x = heavy_tail_grad(0, 0, int(numel)).to(device)
+    k = max(1, round(density * numel))
+    sync = (lambda: torch.cuda.synchronize()) if torch.device(device).type == "cuda" else (lambda: None)
+    scratch: dict = {}
+    fns = {"torch.topk": lambda: torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values,
+           "exact": lambda: topk_indices(x, k, scratch)}
+    first = {name: fn() for name, fn in fns.items()}
+    ts: dict = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(v) for name, v in ts.items()}
+    return {"numel": int(numel), "density": density, "k": k, "topk_s": med["torch.topk"], "exact_s": med["exact"],
+            "speedup": med["torch.topk"] / med["exact"], "same_set": bool(torch.equal(*first.values()))}
 
 
 # ---------------------------------------------------------------------- realistic gradient stream

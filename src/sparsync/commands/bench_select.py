@@ -1,7 +1,10 @@
 """``sparsync bench-select``: selection cost, density tracking and communication of the threshold
 sparsifiers (MiCRO, hard threshold, CLT-k, TopkA) - the micro section of ``docs/benchmarks.md``.
 
-Parts (``--parts``, default all three):
+Parts (``--parts``, default the first three):
+
+* ``exact`` - the exact top-k kernel against ``torch.topk`` on issue 11's heavy-tailed gradient,
+  side by side, at each ``--sizes`` x ``--densities`` (:func:`sparsync.bench.selection.compare_exact_topk`).
 
 * ``selection`` - exact top-k vs threshold (naive and chunked kernel) vs MiCRO's partitioned
   threshold at each ``--sizes`` x ``--densities`` (:func:`sparsync.bench.selection.time_selection`).
@@ -25,9 +28,12 @@ def register(subparsers) -> None:
 
     p = subparsers.add_parser("bench-select", help="selection cost and density of MiCRO / threshold sparsifiers",
                               description=__doc__.split("\n\n")[0].replace("``", "`"))
-    p.add_argument("--parts", type=NAMES, default="selection,trace,comm", help="comma list of selection, trace, comm")
-    p.add_argument("--sizes", type=COUNTS, default="1e6,1e7,1e8", help="vector lengths for the selection part")
-    p.add_argument("--densities", type=DENSITIES, default="0.01,0.001", help="densities for the selection part")
+    p.add_argument("--parts", type=NAMES, default="selection,trace,comm",
+                   help="comma list of exact, selection, trace, comm")
+    p.add_argument("--sizes", type=COUNTS, default="1e6,1e7,1e8",
+                   help="vector lengths for the exact and selection parts")
+    p.add_argument("--densities", type=DENSITIES, default="0.01,0.001",
+                   help="densities for the exact and selection parts")
     p.add_argument("--partitions", type=WORKERS, default=4, help="P for MiCRO's partitioned selection")
     p.add_argument("--repeat", type=WORKERS, default=5, help="timed repetitions per kernel (median)")
     p.add_argument("--device", default="cpu", help="device for the selection part (cpu, cuda)")
@@ -56,9 +62,19 @@ def _main(args) -> int:
 
     torch.set_num_threads(1)
     parts = set(args.parts)
-    bad = parts - {"selection", "trace", "comm"}
+    bad = parts - {"exact", "selection", "trace", "comm"}
     if bad:
-        raise UsageError(f"--parts: unknown {', '.join(sorted(bad))}; valid: selection, trace, comm")
+        raise UsageError(f"--parts: unknown {', '.join(sorted(bad))}; valid: exact, selection, trace, comm")
+    if "exact" in parts:
+        print(f"\n### Exact top-k vs torch.topk ({args.device}, 1 thread; alternated, median of {args.repeat}; ms)\n")
+        print(_row(["n", "density", "k", "torch.topk (+ sort of k)", "exact kernel", "speed-up", "same set"]))
+        print(_row(["---"] * 7))
+        for n in args.sizes:
+            for d in args.densities:
+                r = bs.compare_exact_topk(n, d, repeat=args.repeat, device=args.device)
+                print(_row([f"{n:.3g}", d, r["k"], f"{r['topk_s'] * 1e3:.1f}", f"{r['exact_s'] * 1e3:.1f}",
+                            f"{r['speedup']:.1f}x", r["same_set"]]))
+                sys.stdout.flush()
     if "selection" in parts:
         print(f"\n### Selection cost ({args.device}, 1 thread; median of {args.repeat}; ms)\n")
         print(_row(["n", "density", "exact top-k", "threshold naive", "threshold (chunked)",

@@ -3,7 +3,9 @@
 ``smoke`` builds an :class:`~sparsync.cluster.EmulatedCluster`, runs a correctness all-reduce and a
 timed dense all-reduce on it and prints the measured throughput per link next to the ring model
 (``2(P-1)/P * bytes`` over each link, docs/cluster.md). ``cleanup`` deletes every namespace
-with the ``ssync`` prefix whose creating process is gone (``--all``: also live ones).
+with the ``ssync`` prefix whose creating process is gone, ends rank processes (``ss<pid>r<rank>``)
+whose launcher is gone and removes their ``sparsync-store-<pid>-*`` directories (``--all``: also
+those of live runs).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ def _cleanup(args) -> int:
 
     reason = netns_unavailable_reason()
     if reason:
-        print(f"sparsync cluster cleanup: {reason}", file=sys.stderr)
-        return 2
-    removed = cleanup_stale(all_instances=args.all)
+        print(f"sparsync cluster cleanup: namespaces skipped ({reason}); rank processes and stores only",
+              file=sys.stderr)
+    removed = cleanup_stale(all_instances=args.all, namespaces=reason is None)
     if removed:
         print("removed: " + ", ".join(removed))
     else:
@@ -106,11 +108,11 @@ def register(subparsers) -> None:
                               description=__doc__)
     sub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
     s = sub.add_parser("smoke", help="all-reduce on an emulated cluster and print the throughput")
-    from . import WORKERS, deprecated_alias
+    from . import NETWORK, WORKERS, deprecated_alias
 
     s.add_argument("--workers", type=WORKERS, default=2, help="number of ranks")
     deprecated_alias(s, "--world-size", "--workers", "workers", WORKERS)
-    s.add_argument("--bandwidth", default="1gbit",
+    s.add_argument("--bandwidth", type=NETWORK, default="1gbit",
                    help="per-link rate, e.g. 1gbit, 100mbit; 'none' = namespaces without a limit; "
                         "'loopback' = no namespaces (default 1gbit)")
     s.add_argument("--numel", default="2.5e6", help="float32 elements to all-reduce (default 2.5e6 = 10 MB)")
@@ -119,7 +121,7 @@ def register(subparsers) -> None:
     s.add_argument("--fallback-loopback", action="store_true",
                    help="run on loopback (with a warning) when namespaces cannot be created")
     s.set_defaults(func=_smoke)
-    c = sub.add_parser("cleanup", help="remove namespaces left by crashed runs (prefix 'ssync')")
-    c.add_argument("--all", action="store_true", help="also remove namespaces of runs still alive")
+    c = sub.add_parser("cleanup", help="remove namespaces, rank processes and stores left by crashed runs")
+    c.add_argument("--all", action="store_true", help="also remove those of runs still alive")
     c.set_defaults(func=_cleanup)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -28,8 +28,10 @@ TORCH_ROWS = ["ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4"]
 
 def register(sub) -> None:
     p = sub.add_parser("run-default", help="the default comparison `make run` shows (about five minutes)")
-    p.add_argument("--steps", type=int, default=None, help="steps per configuration (default 100; lm: its own)")
-    p.add_argument("--workers", type=int, default=4)
+    from . import WORKERS
+
+    p.add_argument("--steps", type=WORKERS, default=None, help="steps per configuration (default 100; lm: its own)")
+    p.add_argument("--workers", type=WORKERS, default=4)
     p.add_argument("--workload", default="digits-mlp", help="digits-mlp (default) or lm")
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--loopback", action="store_true", help="force loopback even when root")

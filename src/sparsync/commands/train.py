@@ -156,6 +156,8 @@ def register(sub) -> None:
                    help="reducer option (repeatable; an unknown key lists the reducer's options)")
     p.add_argument("--name", default=None, help="run name (directory <runs-dir>/<name>; default from the config)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+                   help="keep the newest N complete checkpoints, delete older ones (0 = keep all)")
     p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=run)
 
@@ -175,6 +177,7 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         target_accuracy=args.target_accuracy, eval_every=args.eval_every, seed=args.seed,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
         checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),
+        keep_checkpoints=getattr(args, "keep_checkpoints", 2),
         progress=not args.no_progress, timeout=args.timeout)
 
 
@@ -276,23 +279,40 @@ def _run_torchrun(cfg, args) -> int:
     """One process of a torchrun job: rank 0 prepares the run directory, every rank trains."""
     import torch.distributed as dist
 
-    from ..launch import comm_from_env
+    from ..launch import comm_from_env, lost_peer_error, peer_table
     from ..train.loop import train_worker
-    from ..train.runs import RunDir
+    from ..train.runs import CheckpointError, RunDir, RunExists
 
     preflight(cfg, network=False)
     comm = comm_from_env("gloo")  # CPU training loop; the library's SparseDDP also runs on NCCL
     if comm.world_size != cfg.workers:
         cfg.workers = comm.world_size  # torchrun decides the world size
     cfg.network = "torchrun"
+    path = os.path.join(cfg.runs_dir, cfg.name)
     info = [None]
     if comm.rank == 0:
-        _, resume_info = RunDir.prepare(cfg, force=args.force, resume=args.resume)
-        info = [json.dumps(resume_info)]
+        resume, force = args.resume, args.force
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            # elastic restart (torchrun --max-restarts): continue this job's run from its latest
+            # complete checkpoint, or start it over if it died before the first one (docs/reliability.md)
+            resume = RunDir(path).latest_step() is not None
+            force = not resume
+        try:
+            _, resume_info = RunDir.prepare(cfg, force=force, resume=resume)
+            info = [json.dumps({"resume": resume_info})]
+        except (OSError, CheckpointError, RunExists) as e:  # tell the other ranks, do not leave them waiting
+            info = [json.dumps({"error": f"rank 0: {type(e).__name__}: {e}", "kind": type(e).__name__})]
     dist.broadcast_object_list(info, src=0)
-    resume_info = json.loads(info[0])
-    path = os.path.join(cfg.runs_dir, cfg.name)
-    summary = train_worker(comm, cfg.to_dict(), path, resume_info)
+    got = json.loads(info[0])
+    if "error" in got:
+        dist.destroy_process_group()
+        raise (RunExists if got["kind"] == "RunExists" else CheckpointError)(got["error"])
+    resume_info = got["resume"]
+    peers = peer_table(comm)
+    try:
+        summary = train_worker(comm, cfg.to_dict(), path, resume_info)
+    except RuntimeError as e:  # a survivor of a lost rank: name it instead of gloo's peer address
+        raise lost_peer_error(e, peers, comm.rank) from e
     if comm.rank == 0:
         RunDir(path).write_summary(summary)
         _print_summary(summary, cfg)

@@ -161,6 +161,7 @@ class BlockReducer(Reducer):
         t0 = time.perf_counter()
         with self.timed("select"):
             rows, block, shape = coo_rows(grad)
+        self.check_finite(block)
         if shape not in self._checked_shapes:
             self.comm.check_same(len(shape), "sparse gradient rank")
             for i, s in enumerate(shape):

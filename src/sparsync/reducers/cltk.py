@@ -2,11 +2,11 @@
 
 What (``spec/micro.md`` §7, CLT-k): at step ``t`` the leader is rank ``t mod P``. Every rank
 accumulates ``acc = grad + residual``; the leader selects the ``k`` entries of largest ``|acc|`` of
-*its own* accumulator (exact ``torch.topk``), broadcasts the indices, and every rank all-reduces its
-values ``acc[idx]`` at those indices. Every rank zeroes ``acc[idx]`` and keeps the rest as residual
-(conserving: whatever a rank did not send stays in its residual). No build-up (exactly ``k``
-entries), but the other ranks wait while the leader sorts, and their own large entries wait
-until a leader picks them.
+*its own* accumulator (exact top-k, :func:`sparsync.select.topk.topk_abs`), broadcasts the indices,
+and every rank all-reduces its values ``acc[idx]`` at those indices. Every rank zeroes ``acc[idx]``
+and keeps the rest as residual (conserving: whatever a rank did not send stays in its residual).
+No build-up (exactly ``k`` entries), but the other ranks wait while the leader selects, and their
+own large entries wait until a leader picks them.
 
 Why: the comparison point of the MiCRO paper for "no build-up, but selection-bound".
 
@@ -51,7 +51,7 @@ class CLTKReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             if comm.rank == leader:
-                idx, _ = topk_abs(acc, k)
+                idx, _ = topk_abs(acc, k, self.scratch)
                 wire = idx.to(itype)
             else:
                 wire = torch.empty(k, dtype=itype, device=acc.device)

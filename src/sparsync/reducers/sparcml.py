@@ -54,7 +54,7 @@ class SparCMLReducer(Reducer):
 
     def _select(self, acc):
         if self.selection == "topk":
-            return topk_abs(acc, self.k)
+            return topk_abs(acc, self.k, self.scratch)
         if self.selection == "bucketed":
             kb = max(1, round(self.density * self.bucket_size))
             return bucketed_topk(acc, kb, self.bucket_size)

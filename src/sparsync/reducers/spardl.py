@@ -105,7 +105,7 @@ class SparDLReducer(Reducer):
         self.auto_times: dict[str, float] = {}
         self._trial: list[list[float]] = [[] for _ in self.candidates]
         self._controllers: dict[int, HController] = {}
-        self._scratch: dict = {}  # reused selection buffers (|x|, mask), see blocksel.scratch_buffer
+        self._scratch: dict = {}  # reused selection buffers (|x|, mask), see select.exact.scratch_buffer
         self._bufs: list[torch.Tensor | None] = [None, None]  # two work buffers, alternating
 
     # ------------------------------------------------------------------ sizes

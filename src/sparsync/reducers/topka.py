@@ -22,7 +22,7 @@ class TopkAReducer(Reducer):
     def _reduce(self, grad):
         with self.timed("select"):
             acc = self.accumulate(grad)
-            idx, vals = topk_abs(acc, self.k)
+            idx, vals = topk_abs(acc, self.k, self.scratch)
             vals = self.wire_values(vals)
             self.keep_unsent(acc, idx, vals)
         self.stats["selected"] = idx.numel()

@@ -1,7 +1,7 @@
 """``topkdsa``: SparCML's split all-gather (TopkDSA in the SparDL paper, ``spec/spardl.md`` §10).
 
-Per step: ``acc = grad + residual``; exact local top-``k`` (sampled-threshold selection,
-:func:`sparsync.spardl.blocksel.block_topk`) with local error feedback (conserving: everything selected
+Per step: ``acc = grad + residual``; exact local top-``k`` (one-pass kernel,
+:func:`sparsync.select.exact.topk_indices`) with local error feedback (conserving: everything selected
 is delivered exactly). Then
 
 1. **reduce-scatter by direct sends**: the index space is cut into ``P`` equal ranges; every rank sends
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spardl.blocksel import block_topk
+from ..select.exact import topk_indices
 from ..spardl.bruck import bruck_rounds
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for
 from .base import Reducer
@@ -29,11 +29,11 @@ from .registry import register
 
 
 def select_topk(acc: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Tensor:
-    """Sorted indices of the exact top-``k`` ``|acc|`` (fast sampled path, exact fallback).
+    """Sorted indices of the exact top-``k`` ``|acc|`` (:func:`sparsync.select.exact.topk_indices`).
 
     ``scratch``: a dict the reducer keeps, so the selection buffers are reused across steps.
     """
-    return torch.sort(block_topk(acc.view(1, -1), k, scratch)[0]).values
+    return topk_indices(acc, k, scratch)
 
 
 def _item_len(buf: torch.Tensor, start: int, numel: int, vb: int) -> int:

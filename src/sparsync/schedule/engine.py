@@ -146,7 +146,9 @@ class OverlapEngine:
             self.reducers = [self._new_reducer() for _ in groups]
 
     def _new_reducer(self):
-        return make_reducer(self.reducer_name, self.comm, self.density, **self.reducer_options)
+        # _prepare already checked every gradient for NaN/Inf (self.nonfinite): the reducer need not
+        return make_reducer(self.reducer_name, self.comm, self.density, **{**self.reducer_options,
+                                                                            "nonfinite": "ignore"})
 
     # ------------------------------------------------------------------ step (training thread)
     def mark_backward_start(self):

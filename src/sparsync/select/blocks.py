@@ -11,10 +11,10 @@ gradient, never stored, and is dropped from every index list (:func:`block_eleme
 the gradient is made: the full blocks are a view, the tail's norm is computed separately.
 
 ``K`` from a density: ``K = min(b, max(1, round(density * b)))`` (the document's "1/32 compression
-rate" is ``density = 1/32``). Ties between equal norms are broken by ``torch.topk``, which is
-deterministic for identical input on one device.
+rate" is ``density = 1/32``). Ties between equal norms go to the lower block id
+(:func:`sparsync.select.exact.topk_indices`), the same on every rank and device.
 
-Cost: one pass over the gradient (the norms), ``torch.topk`` over ``b`` norms (cheap: ``b = n /
+Cost: one pass over the gradient (the norms), an exact top-K over ``b`` norms (cheap: ``b = n /
 block_size``), and a gather of ``K * block_size`` values.
 """
 
@@ -25,6 +25,7 @@ import math
 import torch
 
 from ..sketch import block_elements
+from .exact import topk_indices
 from .topk import k_for_density
 
 __all__ = [
@@ -87,7 +88,6 @@ def block_topk(x: torch.Tensor, nblocks_kept: int, block_size: int):
     if K == b:
         ids = torch.arange(b, device=x.device)
     else:
-        _, ids = torch.topk(norms, K, sorted=False)
-        ids, _ = torch.sort(ids)
+        ids = topk_indices(norms, K)
     idx = block_elements(ids, bs, x.numel())
     return ids, idx, x[idx]

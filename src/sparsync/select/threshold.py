@@ -35,6 +35,8 @@ import math
 
 import torch
 
+from .exact import topk_indices
+
 __all__ = [
     "CHUNK",
     "ThresholdController",
@@ -192,12 +194,14 @@ def partitioned_threshold_select(acc: torch.Tensor, delta: float, start: int, en
 
 
 def keep_largest(idx: torch.Tensor, absvals: torch.Tensor, cap: int) -> torch.Tensor:
-    """The ``cap`` indices of largest ``absvals`` (sorted ascending); all of them if fewer."""
+    """The ``cap`` indices of largest ``absvals`` (sorted ascending); all of them if fewer.
+
+    ``idx`` ascending; ties go to the lower indices (:func:`sparsync.select.exact.topk_indices`).
+    """
     cap = max(0, int(cap))
     if idx.numel() <= cap:
         return idx
-    _, keep = torch.topk(absvals, cap, sorted=False)
-    return torch.sort(idx[keep])[0]
+    return idx[topk_indices(absvals, cap)]
 
 
 # ---------------------------------------------------------------------- per-step calibration

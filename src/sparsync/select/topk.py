@@ -1,10 +1,12 @@
-"""Exact top-k by magnitude, and the density -> k rule shared by every reducer."""
+"""Exact top-k by magnitude (the kernel of :mod:`.exact`), and the density -> k rule shared by every reducer."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from .exact import topk_select
 
 
 def check_density(density: float) -> float:
@@ -23,21 +25,13 @@ def k_for_density(numel: int, density: float) -> int:
     return min(numel, max(1, int(round(check_density(density) * numel))))
 
 
-def topk_abs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_abs(x: torch.Tensor, k: int, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` entries of largest ``|x|``: (indices sorted ascending, values ``x[indices]``).
 
-    Cost: one ``torch.topk`` over ``|x|`` (O(n) passes, the expensive part on CPU) + sort of k.
-    Ties at the k-th magnitude are broken by torch.topk; callers that need the same selection on
-    several ranks must pass identical ``x`` (then the result is identical too).
+    Cost: about one read of ``x`` (:func:`sparsync.select.exact.topk_indices`). Ties at the k-th
+    magnitude go to the lowest indices, so identical ``x`` gives identical selections on every rank.
+    ``scratch``: optional dict kept by the caller across calls (workspace reuse).
     """
     if x.dim() != 1:
         raise ValueError(f"topk_abs needs a 1-D tensor, got shape {tuple(x.shape)}")
-    k = int(k)
-    if not 0 <= k <= x.numel():
-        raise ValueError(f"k must be in [0, {x.numel()}], got {k}")
-    if k == x.numel():
-        idx = torch.arange(x.numel(), device=x.device)
-        return idx, x.clone()
-    _, idx = torch.topk(x.abs(), k, sorted=False)
-    idx, _ = torch.sort(idx)
-    return idx, x[idx]
+    return topk_select(x, k, scratch)

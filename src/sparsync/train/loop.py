@@ -90,6 +90,10 @@ def validate(cfg: TrainConfig):
     cfg.fill_defaults(wl)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
+    if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
+        raise ValueError(f"--batch-size must be a positive integer, got {cfg.batch_size!r}")
+    if not isinstance(cfg.keep_checkpoints, int) or cfg.keep_checkpoints < 0:
+        raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints!r}")
     return wl
 
 
@@ -119,18 +123,22 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
     rd, info = RunDir.prepare(cfg, force=force, resume=resume)
     args = (cfg.to_dict(), str(rd.path), info)
     P = cfg.workers
-    if cfg.network == "thread":
-        from ..launch import run_local
+    try:
+        if cfg.network == "thread":
+            from ..launch import run_local
 
-        results = run_local(train_worker, P, *args, backend="thread", timeout=cfg.timeout)
-    elif cfg.network == "loopback":
-        from ..launch import run_local
+            results = run_local(train_worker, P, *args, backend="thread", timeout=cfg.timeout)
+        elif cfg.network == "loopback":
+            from ..launch import run_local
 
-        results = run_local(train_worker, P, *args, backend="gloo", timeout=cfg.timeout)
-    else:
-        from ..cluster import run_emulated
+            results = run_local(train_worker, P, *args, backend="gloo", timeout=cfg.timeout)
+        else:
+            from ..cluster import run_emulated
 
-        results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, timeout=cfg.timeout)
+            results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, timeout=cfg.timeout)
+    except BaseException:
+        rd.remove_incomplete()  # every rank is gone: only complete checkpoints stay on disk
+        raise
     summary = results[0]
     keys = ("median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
             "mean_select_s")
@@ -266,7 +274,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         save_checkpoint(rd.ckpt_dir(step) / f"rank{rank}.pt", cfg, rank, step, state)
         comm.barrier()
         if rank == 0:
-            rd.mark_latest(step)
+            rd.mark_latest(step, keep=cfg.keep_checkpoints)
 
     metrics_f = open(rd.path / "metrics.jsonl", "a") if (rd is not None and rank == 0) else None  # noqa: SIM115
     bar = None

@@ -37,8 +37,9 @@ _MARKERS = ["o", "s", "^", "v", "D", "x", "+", "*"]
 
 
 def _style(i: int, n_points: int) -> dict:
-    """A distinct (line style, marker, width) per run so that equal curves do not hide each other."""
-    return {"ls": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)], "ms": 4,
+    """A distinct (line style, marker, width) per run so that equal curves do not hide each other; the
+    same colour and marker for the same run in every plot."""
+    return {"color": f"C{i % 10}", "ls": _STYLES[i % len(_STYLES)], "marker": _MARKERS[i % len(_MARKERS)], "ms": 4,
             "markevery": max(1, n_points // 8), "lw": max(0.8, 2.4 - 0.3 * i)}
 
 

@@ -8,6 +8,15 @@ Layout::
     runs/<name>/checkpoints/step_000040/rank0.pt ... rankP-1.pt   one file per rank
     runs/<name>/checkpoints/latest  text file naming the newest complete checkpoint
 
+Safety and disk (docs/reliability.md): checkpoint files are read with ``torch.load(...,
+weights_only=True)`` - tensors and plain containers only, so a crafted file cannot run code - and
+their format is checked before anything in them is used. Only the newest ``keep_checkpoints``
+complete checkpoints are kept (``--keep-checkpoints``, default 2; 0 keeps all). Temp files of
+killed saves (``*.tmp<pid>``) and checkpoint directories newer than ``latest`` (a save that never
+completed) are removed when a run starts, resumes or fails. A failed save (a full disk) raises a
+:class:`CheckpointError` naming the file and the error; ``latest`` still names the previous
+complete checkpoint, which ``--resume`` then uses.
+
 Why per-rank checkpoint files: the reducers' error-feedback residuals differ per rank, so a
 bitwise-identical resume needs every rank's state. A checkpoint counts as complete only once
 ``latest`` names it (written by rank 0 after every rank has saved), so a crash in the middle of
@@ -20,9 +29,12 @@ whose config fingerprint / world size / rank differs from the run's.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -44,7 +56,9 @@ class RunExists(RuntimeError):
 
 #: fields that do not change the trajectory of a run (may differ between a run and its resume)
 _VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "force", "resume",
-             "target_accuracy", "timeout", "final_checkpoint"}
+             "target_accuracy", "timeout", "final_checkpoint", "keep_checkpoints"}
+_TMP_RE = re.compile(r"\.tmp\d+$")  # what _atomic_write / save_checkpoint leave when killed
+_STEP_RE = re.compile(r"^step_(\d+)$")
 
 
 @dataclass
@@ -72,6 +86,7 @@ class TrainConfig:
     name: str | None = None
     runs_dir: str = "runs"
     checkpoint_every: int = 0
+    keep_checkpoints: int = 2         # newest complete checkpoints kept (0 = all)
     final_checkpoint: bool = True     # compare turns it off (each rank's file is ~50 MB for digits-mlp)
     network: str = "loopback"         # loopback | 1gbit (any tc rate) | thread
     progress: bool = True
@@ -151,9 +166,12 @@ class RunDir:
                 raise CheckpointError(f"--resume: {rd.path} was created with a different configuration "
                                       f"(differs in: {', '.join(diff)}); refusing to mix them")
             rd.verify_checkpoint(step, cfg)
+            rd.remove_incomplete()
             rd.truncate_metrics(step)
             rd.write_config(cfg)
             return rd, {"step": step, "dir": str(rd.ckpt_dir(step))}
+        if rd.path.exists() and not rd.path.is_dir():
+            raise RunExists(f"{rd.path} exists and is not a directory; pick another --name or --runs-dir")
         if rd.path.exists() and any(rd.path.iterdir()):
             if not force:
                 raise RunExists(f"run directory {rd.path} already exists; pass --force to overwrite it, "
@@ -207,8 +225,40 @@ class RunDir:
         except ValueError:
             raise CheckpointError(f"{p} is corrupt (expected a step number)") from None
 
-    def mark_latest(self, step: int) -> None:
+    def mark_latest(self, step: int, keep: int = 0) -> None:
+        """Make checkpoint ``step`` the one ``--resume`` uses; then keep only the newest ``keep``."""
         _atomic_write(self.path / "checkpoints" / "latest", f"{step}\n")
+        if keep and keep > 0:
+            for old in self.checkpoint_steps()[:-keep]:
+                shutil.rmtree(self.ckpt_dir(old), ignore_errors=True)
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the checkpoint directories on disk, ascending (complete or not)."""
+        d = self.path / "checkpoints"
+        if not d.is_dir():
+            return []
+        return sorted(int(m.group(1)) for m in (_STEP_RE.match(x.name) for x in d.iterdir() if x.is_dir()) if m)
+
+    def remove_incomplete(self) -> list[Path]:
+        """Remove temp files of killed writes and checkpoint directories newer than ``latest`` (saves
+        that never completed). Only the launcher (rank 0 under torchrun) calls it, while no rank
+        writes. Returns what was removed."""
+        gone = []
+        if not self.path.is_dir():
+            return gone
+        for f in self.path.rglob("*.tmp*"):
+            if _TMP_RE.search(f.name) and f.is_file():
+                f.unlink(missing_ok=True)
+                gone.append(f)
+        try:
+            latest = self.latest_step()
+        except CheckpointError:
+            latest = None
+        for step in self.checkpoint_steps():
+            if latest is None or step > latest:
+                shutil.rmtree(self.ckpt_dir(step), ignore_errors=True)
+                gone.append(self.ckpt_dir(step))
+        return gone
 
     def verify_checkpoint(self, step: int, cfg: TrainConfig) -> None:
         """Open every rank's file of checkpoint ``step`` and check it belongs to ``cfg``."""
@@ -221,8 +271,27 @@ def save_checkpoint(path: Path, cfg: TrainConfig, rank: int, step: int, state: d
     blob = {"format": CKPT_FORMAT, "fingerprint": cfg.fingerprint(), "world_size": cfg.workers,
             "rank": rank, "step": step, **state}
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save(blob, tmp)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk (ENOSPC), quota, read-only: the previous checkpoint stays in charge
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(_save_failed(path, e)) from None
+    except RuntimeError as e:  # torch's zip writer reports a short write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(_save_failed(path, e)) from None
+
+
+def _save_failed(path: Path, e: BaseException) -> str:
+    what = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:200]
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or (free is not None and free < 1 << 20)
+    hint = f" (disk full? {free} bytes free there)" if full else ""
+    return (f"could not write checkpoint {path}: {what}{hint}; the previous complete checkpoint "
+            f"(checkpoints/latest) stays the one --resume uses")
 
 
 def load_checkpoint(path: Path, cfg: TrainConfig, rank: int) -> dict:
@@ -230,8 +299,15 @@ def load_checkpoint(path: Path, cfg: TrainConfig, rank: int) -> dict:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint file {path} is missing (incomplete checkpoint?)")
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: tensors and plain containers only - a crafted file cannot run code
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"(?i)(unsupported global[^\n]*)", str(e))  # an object torch refused to build
+        if found is None:  # not a refused object: the bytes are just not a checkpoint
+            raise CheckpointError(f"checkpoint {path} is corrupt or not a sparsync checkpoint "
+                                  f"(UnpicklingError)") from None
+        raise CheckpointError(f"checkpoint {path} holds objects other than tensors and plain data; refusing "
+                              f"to load it (it could run code): {found.group(1)[:200]}") from None
     except Exception as e:  # noqa: BLE001 - any unpickling failure means corrupt
         raise CheckpointError(f"checkpoint {path} is corrupt or not a sparsync checkpoint "
                               f"({type(e).__name__}: {str(e)[:200]})") from None
@@ -243,11 +319,19 @@ def load_checkpoint(path: Path, cfg: TrainConfig, rank: int) -> dict:
     if blob.get("world_size") != cfg.workers or blob.get("rank") != rank:
         raise CheckpointError(f"checkpoint {path} was written by rank {blob.get('rank')} of "
                               f"{blob.get('world_size')}, expected rank {rank} of {cfg.workers}")
+    kinds = {"step": int, "model": dict, "optimizer": dict, "loop": dict}
+    bad = [k for k, t in kinds.items() if not isinstance(blob.get(k), t)]
+    if bad:
+        raise CheckpointError(f"checkpoint {path} is malformed (missing or wrong type: {', '.join(bad)})")
     return blob
 
 
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,0 +1,290 @@
+"""Exact top-k by magnitude at the cost of about one memory pass (1-D and per row of a 2-D view).
+
+What: :func:`topk_indices` returns the ``k`` indices of largest ``|x|``; :func:`topk_rows` does the
+same for every row of a ``[m, bs]`` matrix at once (SparDL's per-block selection: no Python loop
+over rows). The **set** equals ``torch.topk``'s on inputs without ties at the ``k``-th magnitude.
+
+**Tie rule** (documented, deterministic, identical on every rank and every device): entries are
+ranked by ``|x|`` descending and, among equal magnitudes, by index ascending - *the lowest indices
+win*. ``NaN`` ranks below every number (below ``0``): it is chosen only when a row has fewer than
+``k`` non-NaN entries, and then in index order. ``+-inf`` rank above every finite value.
+
+Why: on a CPU ``torch.topk`` over ``n = 1e7`` entries costs as much as a dense all-reduce at
+1 Gbit/s (``DESIGN.md``, "Performance facts"); every method built on exact top-k paid it.
+
+How (a sample select, then one compaction pass, then an exact select among few candidates)::
+
+    1. sample  s <= 65536 entries of every row (strided view), their kk-th largest magnitude t,
+               kk = f s + 4 sqrt(f s) + 8  (f = k / bs: four standard deviations of the sample
+               count below the true k-th magnitude, so  #{|x| >= t} >= k  except for adversarial
+               periodic inputs);
+    2. compact every index with |x| >= t (cache-sized tiles of a reusable workspace: |x| and the
+               comparison stay in cache, the flags are scanned two per 64-bit word - the
+               threshold kernel of :mod:`.threshold`);  about 1.2 k candidates at 1 % density;
+    3. select  the k-th largest candidate magnitude v per row (a small topk over the candidates only),
+               keep |x| > v and the lowest-index entries with |x| == v up to k.
+
+The only full-size work is step 2 (one read of ``x``; no ``|x|`` copy, no mask of ``n`` bytes).
+Rows whose sample was unlucky (fewer than ``k`` candidates; also all-zero or mostly-NaN rows) are
+finished by the exact path - the k-th magnitude of the whole row, then step 3 - so the result is
+exact whatever the data; only the speed depends on the sample. Small rows (``bs < 32768``) and
+high densities (``k > bs / 8``) take that exact path directly. Measured against ``torch.topk`` in
+``docs/benchmarks.md`` (``sparsync bench-select --exact``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+#: elements per tile of the compaction pass (1 MiB of fp32: several ranks' workspaces fit the
+#: shared last-level cache together)
+CHUNK = 1 << 18
+
+__all__ = ["scratch_buffer", "topk_indices", "topk_rows", "topk_select"]
+
+_SAMPLE = 65536
+_MIN_ROW = 1 << 15  # rows shorter than this take the exact path directly (as cheap)
+_MAX_FRACTION = 8  # k > bs / 8: the exact path directly (candidates would be most of the row)
+_SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile (8 // itemsize per word)
+
+
+def _check_k(k, bs: int) -> int:
+    if isinstance(k, float) and k.is_integer():
+        k = int(k)
+    try:
+        k = operator.index(k)
+    except TypeError:
+        raise ValueError(f"k must be an integer, got {k!r}") from None
+    if not 0 <= k <= bs:
+        raise ValueError(f"k must be in [0, {bs}], got {k}")
+    return k
+
+
+def scratch_buffer(scratch: dict | None, key: str, numel: int, dtype, device) -> torch.Tensor:
+    """A reusable 1-D buffer of at least ``numel`` elements from ``scratch`` (a dict the caller keeps).
+
+    Fresh multi-MB tensors are page-faulted in on first touch (at n = 25.6M a fresh ``x.abs()``
+    cost ~45 ms, into a reused buffer ~5 ms, measured here); without ``scratch`` a fresh one.
+    """
+    if scratch is None:
+        return torch.empty(numel, dtype=dtype, device=device)
+    buf = scratch.get(key)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != torch.device(device):
+        buf = scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def topk_indices(x: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Tensor:
+    """Sorted int64 indices of the ``k`` largest ``|x|`` of the 1-D ``x`` (ties -> lowest index)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 1:
+        raise ValueError(f"topk_indices needs a 1-D tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    return topk_rows(x.view(1, -1), k, scratch).view(-1)
+
+
+def topk_select(x: torch.Tensor, k: int, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indices, x[indices])`` of :func:`topk_indices`."""
+    idx = topk_indices(x, k, scratch)
+    return idx, x[idx]
+
+
+def topk_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Tensor:
+    """Column indices ``[m, k]`` (int64, ascending in every row) of the ``k`` largest ``|X[i]|``.
+
+    ``scratch``: optional dict kept by the caller; the tile workspace is reused from it.
+    """
+    if not isinstance(X, torch.Tensor) or X.dim() != 2:
+        raise ValueError(f"topk_rows needs a 2-D tensor, got {getattr(X, 'shape', type(X).__name__)}")
+    if not X.dtype.is_floating_point:
+        raise TypeError(f"topk_rows needs a floating-point tensor, got {X.dtype}")
+    m, bs = X.shape
+    k = _check_k(k, bs)
+    dev = X.device
+    if k == 0 or m == 0:
+        return torch.empty(m, k, dtype=torch.int64, device=dev)
+    if k == bs:
+        return torch.arange(bs, device=dev).expand(m, bs).clone()
+    X = X.contiguous()
+    if bs < _MIN_ROW or k * _MAX_FRACTION > bs:
+        return _exact_rows(X, k)
+    t = _sample_threshold(X, k)
+    flat, cand_abs = _candidates(X, t, scratch)
+    if m == 1:
+        return _finish1(flat, cand_abs, k).view(1, k) if flat.numel() >= k else _exact_rows(X, k)
+    rows = torch.div(flat, bs, rounding_mode="floor")
+    counts = torch.bincount(rows, minlength=m)
+    ok = counts >= k
+    if bool(ok.all()):
+        return _finish(flat, cand_abs, rows, counts, m, k).view(m, k) - torch.arange(m, device=dev)[:, None] * bs
+    out = torch.empty(m, k, dtype=torch.int64, device=dev)
+    bad = (~ok).nonzero().flatten()
+    out[bad] = _exact_rows(X[bad], k)
+    good = ok.nonzero().flatten()
+    if good.numel():
+        sel = ok[rows]
+        grows = rows[sel]
+        remap = torch.cumsum(ok.long(), 0) - 1  # row -> its position among the good rows
+        sub = _finish(flat[sel], cand_abs[sel], remap[grows], counts[good], good.numel(), k)
+        out[good] = sub.view(-1, k) - good[:, None] * bs
+    return out
+
+
+# ---------------------------------------------------------------------- steps
+def _sample_threshold(X: torch.Tensor, k: int) -> torch.Tensor:
+    """Per row, a magnitude ``t`` with (w.h.p.) at least ``k`` entries ``|x| >= t`` (step 1).
+
+    ``t`` is always ``> 0`` (``|x| >= t`` then never admits zeros or NaN: an all-zero row gets too
+    few candidates and takes the exact path).
+    """
+    m, bs = X.shape
+    # sample size: reading it costs ~s cache misses, a loose bracket costs ~4 k / sqrt(f s) extra
+    # candidates in step 3; balanced at s ~ (k bs)^(1/3), within [4096, _SAMPLE]
+    want = min(_SAMPLE, max(4096, int(4.0 * (k * bs) ** (1.0 / 3.0))))
+    stride = max(1, bs // want)
+    sample = X[:, ::stride].abs().nan_to_num_(nan=-1.0)
+    s = sample.shape[1]
+    f = k / bs
+    kk = min(s, math.ceil(f * s + 4.0 * math.sqrt(f * s) + 8))
+    t = _kth_largest(sample, kk)
+    tiny = torch.nextafter(torch.zeros((), dtype=X.dtype), torch.ones((), dtype=X.dtype))
+    return torch.maximum(t, tiny.to(X.device))
+
+
+def _tiles(m: int, bs: int, chunk: int):
+    """``(flat_start, rows, r0, c0, c1)`` tiles of about ``chunk`` elements covering ``[m, bs]``.
+
+    Whole rows are grouped when a row is shorter than a chunk, long rows are cut into column
+    ranges: the number of tiles is about ``m * bs / chunk`` whatever the block size (a loop over
+    cache-sized pieces of memory, not over blocks).
+    """
+    if bs >= chunk:
+        per = -(-bs // chunk)
+        step = -(-bs // per)
+        for r in range(m):
+            for c0 in range(0, bs, step):
+                c1 = min(bs, c0 + step)
+                yield r * bs + c0, 1, r, c0, c1
+    else:
+        rows = max(1, chunk // bs)
+        for r0 in range(0, m, rows):
+            r1 = min(m, r0 + rows)
+            yield r0 * bs, r1 - r0, r0, 0, bs
+
+
+def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted flat indices with ``|X[r, c]| >= t[r]`` and their magnitudes (step 2; one read of ``X``).
+
+    Per tile, into cache-resident workspaces, then ``nonzero`` over the flags viewed as int64 words
+    (several flags per word: a fraction of the work) and a second ``nonzero`` inside the few words
+    that hold one:
+
+    * one row, fp32/fp64: ``hardshrink(x, t')`` with ``t'`` the float just below ``t`` (one fused
+      pass: ``x`` where ``|x| > t'``, i.e. ``|x| >= t``, else ``+0``); a word is two fp32 flags;
+    * otherwise (several rows per tile with their own ``t``, other dtypes): ``|x|`` then ``>= t``
+      into bytes; a word is eight flags.
+
+    NaN passes ``hardshrink``; such candidates are dropped here (NaN ranks below every number).
+    """
+    m, bs = X.shape
+    if X.device.type != "cpu":
+        flat = torch.nonzero((X.abs() >= t[:, None]).view(-1)).squeeze(1)
+        return flat, X.view(-1)[flat].abs()
+    size = min(CHUNK, m * bs)
+    wf = scratch_buffer(scratch, "exact_topk_abs", size + 1, X.dtype, X.device)
+    wb = scratch_buffer(scratch, "exact_topk_flags", size + 8, torch.bool, X.device)  # offset 0: aligned
+    tt = t.to(X.dtype)
+    below = torch.nextafter(tt, torch.zeros_like(tt)).tolist() if X.dtype in _SHRINK else None
+    tt = tt[:, None]
+    outs, mags = [], []
+    for start, rows, r0, c0, c1 in _tiles(m, bs, CHUNK):
+        cols = c1 - c0
+        L = rows * cols
+        if rows == 1 and below is not None:
+            per = 8 // X.element_size()  # elements per 64-bit word
+            torch.ops.aten.hardshrink.out(X[r0, c0:c1], below[r0], out=wf[:L])
+            flags, Le = wf, -(-L // per) * per
+            wf[L:Le] = 0.0
+        else:
+            per = 8
+            w = wf[:L].view(rows, cols)
+            torch.abs(X[r0:r0 + rows, c0:c1], out=w)
+            torch.ge(w, tt[r0:r0 + rows], out=wb[:L].view(rows, cols))
+            flags, Le = wb, -(-L // 8) * 8
+            wb[L:Le] = False
+        words = torch.nonzero(flags[:Le].view(torch.int64)).squeeze(1)
+        if words.numel() == 0:
+            continue
+        ij = torch.nonzero(flags[:Le].view(-1, per)[words]) if per > 1 else None
+        local = words if ij is None else words[ij[:, 0]] * per + ij[:, 1]
+        mags.append(wf[local].abs())  # still in cache
+        outs.append(local.add_(start))
+    if not outs:
+        return torch.empty(0, dtype=torch.int64, device=X.device), X.new_empty(0)
+    flat, vals = (outs[0], mags[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(mags))
+    num = vals == vals
+    if not bool(num.all()):
+        flat, vals = flat[num], vals[num]
+    return flat, vals
+
+
+def _finish1(flat, vals, k: int) -> torch.Tensor:
+    """:func:`_finish` for a single row (fewer passes over the candidates)."""
+    v = _kth_largest(vals, k)
+    keep = vals > v
+    need = k - int(keep.sum())
+    if need:
+        keep[torch.nonzero(vals == v).squeeze(1)[:need]] = True  # lowest indices first
+    return flat[keep]
+
+
+def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
+    """Exact top-``k`` of every row among its candidates (step 3); flat indices, row-major, ``m*k``.
+
+    ``flat``: ascending candidate indices (so grouped by row, index order inside a row), ``vals``
+    their magnitudes (NaN-free), ``rows`` their row ids in ``[0, m)``, ``counts`` per row (``>= k``).
+    """
+    dev = flat.device
+    cmax = int(counts.max())
+    offs = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(flat.numel(), device=dev) - offs[rows]
+    cand = torch.full((m, cmax), -1.0, dtype=vals.dtype, device=dev)
+    cand[rows, pos] = vals
+    v = torch.topk(cand, k, dim=1, sorted=False).values.amin(dim=1)  # padding -1 is never chosen
+    vr = v[rows]
+    gt = vals > vr
+    eq = vals == vr
+    need = k - torch.bincount(rows[gt], minlength=m)  # entries still wanted at the k-th magnitude
+    eqi = eq.to(torch.int64)
+    rank = torch.cumsum(eqi, 0) - eqi  # equal entries before this one, over all rows
+    base = rank[offs]  # ... before this row (every row has >= k >= 1 candidates)
+    keep = gt | (eq & ((rank - base[rows]) < need[rows]))
+    out = flat[keep]
+    if out.numel() != m * k:
+        raise RuntimeError(f"exact top-k selected {out.numel()} entries instead of {m * k} (internal error)")
+    return out
+
+
+def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k``-th largest entry of every row of ``a`` (1-D: a scalar), NaN-free.
+
+    ``torch.topk`` of the smaller side: on CPU it is several times faster than ``torch.kthvalue``.
+    """
+    n = a.shape[-1]
+    if n - k + 1 < k:
+        return torch.topk(a, n - k + 1, dim=-1, largest=False, sorted=False).values.amax(dim=-1)
+    return torch.topk(a, k, dim=-1, sorted=False).values.amin(dim=-1)
+
+
+def _exact_rows(X: torch.Tensor, k: int) -> torch.Tensor:
+    """Exact path: the k-th largest magnitude of every whole row, then step 3 over the row."""
+    m, bs = X.shape
+    a = X.abs().nan_to_num_(nan=-1.0)  # NaN ranks below every number
+    v = _kth_largest(a, k)
+    gt = a > v[:, None]
+    eq = a == v[:, None]
+    need = k - gt.sum(1)
+    keep = gt | (eq & (torch.cumsum(eq, 1) <= need[:, None]))
+    cols = torch.nonzero(keep)[:, 1]
+    return cols.view(m, k)

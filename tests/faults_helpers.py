@@ -1,0 +1,36 @@
+"""Process and disk inspection shared by the fault tests (no mocks: real processes, real files)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sparsync.reliability import alive, descendants, leftovers, rank_pids, wait_clean
+
+__all__ = ["alive", "descendants", "leftovers", "rank_pids", "wait_clean", "train_cmd", "start_and_wait"]
+
+
+def train_cmd(runs_dir, name, *extra, reducer="micro", workers=2, steps=100000, width=32) -> list[str]:
+    return [sys.executable, "-m", "sparsync.cli", "train", "--workload", "digits-mlp", "--workload-option",
+            f"width={width}", "--reducer", reducer, "--density", "0.05", "--workers", str(workers), "--steps",
+            str(steps), "--eval-every", str(max(steps, 1)), "--runs-dir", str(runs_dir), "--name", name,
+            "--no-progress", "--timeout", "120", *extra]
+
+
+def start_and_wait(cmd, metrics: Path, lines: int = 2, timeout: float = 240.0, env=None) -> subprocess.Popen:
+    """Start ``cmd`` and wait until ``metrics`` has ``lines`` records (the ranks are training)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if p.poll() is not None:
+            raise AssertionError(f"launcher ended early ({p.returncode}): {p.stderr.read()[-2000:]}")
+        try:
+            if len(metrics.read_text().splitlines()) >= lines:
+                return p
+        except OSError:
+            pass
+        time.sleep(0.02)
+    p.kill()
+    raise AssertionError(f"no training progress within {timeout}s")
