@@ -58,13 +58,23 @@ def test_compare_writes_report_and_refuses_overwrite(tmp_path, capsys):
 
 
 def test_run_default_verdict_and_choice():
-    from sparsync.commands.run_default import pick_sparse, verdict
+    from sparsync.commands.compare import parse_configs
+    from sparsync.commands.run_default import DEFAULT_SPARSE, verdict
+    from sparsync.reducers.registry import load_all
 
-    assert len(pick_sparse(3)) == 3 and all(0 < d <= 1 for _, d in pick_sparse(3))
-    base = {"reducer": "dense", "time_to_target_s": 12.0, "final_accuracy": 0.97, "label": "dense"}
-    fast = {"reducer": "micro", "time_to_target_s": 3.9, "final_accuracy": 0.965, "label": "micro"}
-    slow = {"reducer": "s2", "time_to_target_s": 6.0, "final_accuracy": 0.97, "label": "s2"}
-    assert verdict([base, fast, slow]).startswith("goal MET")
-    assert verdict([base, {**fast, "final_accuracy": 0.95}]).startswith("goal NOT met")  # 2 points worse
-    assert verdict([base, slow]).startswith("goal NOT met")
-    assert "no sparse reducer" in verdict([base, {**slow, "time_to_target_s": None}])
+    for c in parse_configs(";".join(DEFAULT_SPARSE), 0.01, "single"):
+        assert c["reducer"] in load_all() and 0 < c["density"] <= 1
+    row = lambda r, tt, acc=0.97, step=0.1: {"reducer": r, "label": r, "time_to_target_s": tt,
+                                             "final_accuracy": acc, "median_step_s": step}
+    base = [row("nocomm", 20.0, 0.8, 0.06), row("dense", 12.0, 0.97, 0.3), row("ddp", 10.0, 0.97, 0.28),
+            row("ddp-fp16", 8.0, 0.97, 0.2), row("ddp-powersgd1", 9.0, 0.9, 0.1), row("ddp-powersgd4", None)]
+    fast = row("micro", 3.9, 0.966, 0.08)
+    assert verdict(base + [fast, row("s2", 6.0)]).startswith("goal MET")
+    out = verdict(base + [{**fast, "final_accuracy": 0.96}])  # 1 point worse than dense
+    assert out.startswith("goal NOT met") and "[NO] final accuracy +1.00" in out
+    assert "[NO] step 1.50x" not in verdict(base + [{**fast, "median_step_s": 0.09}])  # 1.5x is allowed
+    assert "[NO] step 1.67x" in verdict(base + [{**fast, "median_step_s": 0.1}])
+    assert "[NO] time to target 0.62x" in verdict(base + [{**fast, "time_to_target_s": 5.0}])
+    assert "NOT faster than ddp-powersgd1" in verdict(base + [{**fast, "time_to_target_s": 9.5}])
+    assert "no sparse configuration" in verdict(base + [row("s2", None)])
+    assert "cannot judge" in verdict(base[:2] + [fast])

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "SparseVec": "sparse", "Comm": "comm", "Ledger": "comm", "run_local": "launch", "comm_from_env": "launch",
     "torchrun_main": "launch", "sparse_allreduce": "collectives", "make_reducer": "reducers",
-    "Reducer": "reducers", "SparseDDP": "ddp", "ddp_hook": "ddp", "DDPHook": "ddp",
+    "Reducer": "reducers", "SparseDDP": "ddp", "ddp_hook": "ddp", "DDPHook": "ddp", "GradientPolicy": "convergence",
 }
 
 __all__ = [*_LAZY, "__version__"]

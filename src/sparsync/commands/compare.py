@@ -3,7 +3,10 @@
 ``--configs "dense;ddp;ddp-fp16;micro:0.01;spardl:0.01,merge=wfbp,option=value"`` — configurations
 separated by ``;``; each is ``NAME[:DENSITY][,key=value...]`` where ``NAME`` is a registered reducer
 or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=`` sets the merge
-plan and any other key is a reducer option. The configurations run one after the other on the same
+plan, ``momentum=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
+options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags) and any
+other key is a reducer option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
+``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
 (``comparison.csv``, ``comparison.json``; in Python ``sparsync.train.load_runs(dir)``) go to
@@ -19,13 +22,15 @@ import sys
 from pathlib import Path
 
 from . import DENSITY, UsageError
-from .train import _parse_value, add_common, config_from_args, preflight, tensorboard_tail
+from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
 
 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
     """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``."""
+    from ..convergence import POLICY_OPTIONS
+
     out = []
     for item in spec.split(";"):
         item = item.strip()
@@ -33,7 +38,7 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
             continue
         head, *kvs = item.split(",")
         name, _, dens = head.partition(":")
-        d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}}
+        d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None}
         if dens:
             try:
                 d["density"] = float(dens)
@@ -45,6 +50,8 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
             k, v = kv.split("=", 1)
             if k.strip() == "merge":
                 d["merge"] = v.strip()
+            elif k.strip() in POLICY_OPTIONS:
+                d["convergence"] = {**(d["convergence"] or {}), k.strip(): _parse_value(v.strip())}
             else:
                 d["options"][k.strip()] = _parse_value(v.strip())
         out.append(d)
@@ -55,9 +62,9 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
 
 def config_slug(c: dict) -> str:
     r = c["reducer"]
-    s = r if r in BASELINES else f"{r}-{c['density']:g}"
+    s = r if r in BASELINES or r.startswith("ddp-") or r == "nocomm" else f"{r}-{c['density']:g}"
     s += "-" + c["merge"].replace(":", "")
-    for k, v in sorted(c["options"].items()):
+    for k, v in sorted({**c["options"], **(c.get("convergence") or {})}.items()):
         s += f"-{k}{v}"
     return s
 
@@ -96,7 +103,7 @@ def plan(args) -> tuple[Path, list]:
     configs = parse_configs(args.configs, args.density, args.merge)
     if not args.no_baselines:
         have = {c["reducer"] for c in configs}
-        configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}}
+        configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}, "convergence": {}}
                    for b in BASELINES if b not in have] + configs
     name = args.name or f"compare-{args.workload}-P{args.workers}"
     root = Path(args.runs_dir) / name
@@ -106,8 +113,11 @@ def plan(args) -> tuple[Path, list]:
         while slug in seen:
             slug += "+"
         seen.add(slug)
+        conv = dict(c.get("convergence") or {})
+        if not (c["reducer"] in BASELINES or c["reducer"].startswith("ddp-") or c["reducer"] == "nocomm"):
+            conv = {**convergence_of(args), **conv}  # the flags apply to the sparse configurations
         cfg = config_from_args(args, reducer=c["reducer"], density=c["density"], merge=c["merge"],
-                               options=c["options"], name=slug)
+                               options=c["options"], name=slug, convergence=conv)
         cfg.runs_dir = str(root)
         cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
         try:

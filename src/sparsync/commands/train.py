@@ -93,6 +93,17 @@ def add_common(p, compare: bool = False) -> None:
                    help="workload option, e.g. sparse_embedding=1 or vocab=5000 (repeatable; docs/train.md)")
     p.add_argument("--ddp-option", action="append", metavar="KEY=VALUE",
                    help="extra SparseDDP keyword, e.g. nonfinite=ignore (skips the local NaN/Inf check)")
+    conv = p.add_argument_group("convergence at low density (sparse reducers; sparsync.convergence, DGC)")
+    conv.add_argument("--momentum-correction", type=float, default=None, metavar="M",
+                      help="accumulate momentum M locally before sparsification (the optimizer becomes plain SGD)")
+    conv.add_argument("--masking", action=argparse_bool(), default=None,
+                      help="momentum-factor masking: clear the velocity of sent entries (default: on with "
+                           "--momentum-correction)")
+    conv.add_argument("--warmup-steps", type=int, default=None, metavar="T",
+                      help="density warm-up: exponential from --warmup-start to --density over T steps")
+    conv.add_argument("--warmup-start", type=float, default=None, metavar="S", help="warm-up start density (0.25)")
+    conv.add_argument("--local-clip", type=float, default=None, metavar="C",
+                      help="clip each rank's gradient to norm C/sqrt(P) before accumulation")
     p.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
     p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -101,6 +112,19 @@ def add_common(p, compare: bool = False) -> None:
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also log loss, accuracy and step time to a TensorBoard directory (needs the "
                         "tensorboard package: pip install 'sparsync[tensorboard]')")
+
+
+def argparse_bool():
+    import argparse
+
+    return argparse.BooleanOptionalAction
+
+
+def convergence_of(args) -> dict:
+    """The GradientPolicy options given by the convergence flags (empty when none)."""
+    pairs = (("momentum", "momentum_correction"), ("masking", "masking"), ("warmup_steps", "warmup_steps"),
+             ("warmup_start", "warmup_start"), ("clip", "local_clip"))
+    return {k: getattr(args, a) for k, a in pairs if getattr(args, a, None) is not None}
 
 
 def argparse_hidden():
@@ -138,7 +162,7 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def config_from_args(args, reducer=None, density=None, merge=None, options=None, name=None):
+def config_from_args(args, reducer=None, density=None, merge=None, options=None, name=None, convergence=None):
     from ..train.runs import TrainConfig
 
     return TrainConfig(
@@ -148,6 +172,7 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         reducer_options=options if options is not None else parse_kv(args.option, "--option"),
         workload_options=parse_kv(args.workload_option, "--workload-option"),
         ddp_options=parse_kv(getattr(args, "ddp_option", None), "--ddp-option"), workers=args.workers,
+        convergence=convergence if convergence is not None else convergence_of(args),
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
         target_accuracy=args.target_accuracy, eval_every=args.eval_every, seed=args.seed,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
@@ -176,10 +201,10 @@ def preflight(cfg, network: bool = True):
                 raise UsageError(f"workload {cfg.workload!r} has no option {', '.join(bad)}; "
                                  f"valid: {', '.join(valid) or '(none)'}")
         wl = validate(cfg)
-        if cfg.is_torch_ddp:
+        if cfg.is_torch_ddp or cfg.reducer == "nocomm":
             for opt, given in (("--option", cfg.reducer_options), ("--ddp-option", cfg.ddp_options)):
                 if given:
-                    raise UsageError(f"{opt} {', '.join(given)}: torch's DDP baseline {cfg.reducer!r} takes no "
+                    raise UsageError(f"{opt} {', '.join(given)}: the baseline {cfg.reducer!r} takes no "
                                      "sparsync reducer / SparseDDP options")
         else:
             from ..ddp import SparseDDP

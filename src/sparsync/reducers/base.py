@@ -7,7 +7,10 @@ trainer. For a conserving reducer the identity
 
     sum_r (grad_r + residual_before_r) == out + sum_r residual_after_r
 
-holds every step (``DESIGN.md``, "conserving").
+holds every step (``DESIGN.md``, "conserving"). With momentum correction
+(:mod:`sparsync.convergence`) the reducer is fed the velocity ``u'_r = m u_r + grad_r`` instead, and
+the same identity holds with ``u'_r`` in place of ``grad_r`` (tested exactly per step and summed
+over steps in ``tests/test_convergence.py``).
 
 A subclass implements :meth:`_reduce` and, if it has state beyond the residual and step counter,
 :meth:`_extra_state` / :meth:`_load_extra_state`. It times its stages with ``self.timed("select")``

@@ -212,6 +212,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
             k = self.k
             d0 = self.threshold0 if self.threshold0 is not None else initial_threshold(k)
             self.controller = ThresholdController(k, d0, **self._controller_options())
+            if self.threshold0 is None:  # delta_0 is a data-blind guess: calibrate over the widest window
+                self.spread_now = self.max_spread  # first (measured: else 2-4x the target for 3 steps)
 
     def _controller_options(self) -> dict:
         """The histogram rule keeps its window centre in a controller (unused rule "adaptive")."""
@@ -259,6 +261,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
     def _reduce(self, grad):
         if self._bounds is None or self.controller is None:
             self._setup()
+        self.controller.target = self.k  # follows a density changed between steps (warm-up schedules)
         comm, P, step = self.comm, self.comm.world_size, self.step
         part = owned_partition(comm.rank, step, P)
         start, end = self._bounds[part]

@@ -42,7 +42,11 @@ from .workloads import make_workload, workload_names
 
 __all__ = ["TORCH_DDP", "NetworkUnavailable", "launch", "train_worker", "valid_reducers", "validate"]
 
-TORCH_DDP = ("ddp", "ddp-fp16")
+#: torch's own DDP: plain, fp16 compression hook, PowerSGD hook of rank 1 and 4 (torch's PowerSGDState)
+TORCH_DDP = ("ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4")
+#: the no-communication floor: same model and data, gradients never exchanged (ranks drift apart;
+#: its accuracy is rank 0's local model). Every other step time is divided by its step time.
+NOCOMM = "nocomm"
 _INIT_LOCK = threading.Lock()
 OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -54,7 +58,7 @@ class NetworkUnavailable(RuntimeError):
 def valid_reducers() -> list[str]:
     from ..reducers.registry import load_all
 
-    return sorted(load_all()) + list(TORCH_DDP)
+    return sorted(load_all()) + list(TORCH_DDP) + [NOCOMM]
 
 
 def validate(cfg: TrainConfig):
@@ -72,6 +76,16 @@ def validate(cfg: TrainConfig):
         raise ValueError(f"--density must be in (0, 1], got {cfg.density}")
     if cfg.is_torch_ddp and cfg.network == "thread":
         raise ValueError("torch DDP baselines need real processes; use --loopback or --bandwidth")
+    if cfg.convergence:
+        from ..convergence import policy_from_options
+
+        if cfg.is_torch_ddp or cfg.reducer == NOCOMM:
+            raise ValueError(f"convergence options ({', '.join(sorted(cfg.convergence))}) apply to SparseDDP "
+                             f"reducers, not to {cfg.reducer!r}")
+        pol = policy_from_options(cfg.convergence)
+        if pol.momentum and cfg.optimizer == "adam":
+            raise ValueError("momentum correction replaces SGD's momentum (the optimizer becomes plain SGD); "
+                             "it does not apply to --optimizer adam")
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
     if cfg.steps < 1:
@@ -136,7 +150,8 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
 # ---------------------------------------------------------------------------- one rank
 def _make_optimizer(cfg: TrainConfig, model: nn.Module):
     params = list(model.parameters())
-    if cfg.optimizer == "sgd":
+    if cfg.optimizer == "sgd" or cfg.convergence.get("momentum"):  # momentum correction: SGD's momentum
+        return torch.optim.SGD(params, lr=cfg.lr)                  # moved into the GradientPolicy
         return torch.optim.SGD(params, lr=cfg.lr)
     if cfg.optimizer == "momentum":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
@@ -144,29 +159,80 @@ def _make_optimizer(cfg: TrainConfig, model: nn.Module):
 
 
 def _wrap(cfg: TrainConfig, model: nn.Module, comm):
-    """(callable model, engine or None). Engine = SparseDDP or torch DDP."""
+    """(callable model, engine or None). Engine = SparseDDP or torch DDP; None for the floor."""
+    if cfg.reducer == NOCOMM:
+        return model, None
     if cfg.is_torch_ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        ddp = DDP(model, process_group=getattr(comm, "group", None))
+        kw = {}
+        if cfg.reducer.startswith("ddp-powersgd"):  # one bucket: see _powersgd_state
+            kw["bucket_cap_mb"] = 1 + sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        ddp = DDP(model, process_group=getattr(comm, "group", None), **kw)
         if cfg.reducer == "ddp-fp16":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
             ddp.register_comm_hook(getattr(comm, "group", None), fp16_compress_hook)
+        elif cfg.reducer.startswith("ddp-powersgd"):
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            ddp.register_comm_hook(_powersgd_state(cfg, comm, psgd), psgd.powerSGD_hook)
         return ddp, ddp
     from ..ddp import SparseDDP
 
+    kw = dict(cfg.ddp_options)
+    if cfg.convergence:
+        from ..convergence import policy_from_options
+
+        kw["policy"] = policy_from_options(cfg.convergence)
     ddp = SparseDDP(model, comm, reducer=cfg.reducer, density=cfg.density, merge=cfg.merge,
-                    reducer_options=dict(cfg.reducer_options), **dict(cfg.ddp_options))
+                    reducer_options=dict(cfg.reducer_options), **kw)
     fwd = ddp if callable(ddp) else model
     return fwd, ddp
 
 
-def _ddp_bytes(cfg: TrainConfig, numel: int) -> int:
-    """Ring all-reduce bytes per rank for torch DDP (gloo ring): 2(P-1)/P * n * value bytes."""
+def _powersgd_state(cfg: TrainConfig, comm, psgd):
+    """torch's own PowerSGDState (error feedback and warm start on, its defaults) at the row's rank.
+
+    ``start_powerSGD_iter=2``: the smallest torch allows with error feedback / warm start (its
+    default, 1000, would make a 100-step run plain all-reduce throughout). ``random_seed`` fixed, so
+    every rank draws the same initial Q (torch requires that).
+
+    Why DDP gets ONE bucket here: ``powerSGD_hook`` issues its second and third all-reduce (P, then
+    Q) from ``Future.then`` callbacks, which gloo runs on its own thread when the previous
+    all-reduce completes. With several buckets, the next bucket's hook meanwhile issues its first
+    all-reduce from the autograd thread, so the order of collectives on the process group differs
+    between ranks: gloo pairs messages of different collectives and aborts ("op.preamble.length <=
+    op.nbytes ... Received data size doesn't match expected size"; measured with torch's default
+    buckets, 2 ranks, digits MLP), or would hang where sizes happen to agree. One bucket leaves a
+    single chain of collectives per step, the same on every rank (``merge="single"`` on our side).
+    """
+    rank = int(cfg.reducer.removeprefix("ddp-powersgd"))
+    return psgd.PowerSGDState(process_group=getattr(comm, "group", None), matrix_approximation_rank=rank,
+                              start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                              random_seed=cfg.seed)
+
+
+def _ddp_bytes(cfg: TrainConfig, model: nn.Module) -> int:
+    """Ring all-reduce bytes per rank for torch DDP (gloo ring): 2(P-1)/P * values * value bytes.
+
+    PowerSGD (steady state, after ``start_powerSGD_iter``): a tensor viewed as an ``n x m`` matrix
+    is compressed when ``(n + m) r * 2 < n m`` (torch's ``min_compression_rate=2``) and then sends P
+    (``n x r``) and Q (``m x r``); 1-D tensors and the others go uncompressed.
+    """
     P = cfg.workers
-    vb = 2 if cfg.reducer == "ddp-fp16" else 4
-    return int(2 * (P - 1) * numel * vb // P) if P > 1 else 0
+    if P == 1:
+        return 0
+    values, vb = 0, 4
+    if cfg.reducer.startswith("ddp-powersgd"):
+        r = int(cfg.reducer.removeprefix("ddp-powersgd"))
+        for p in model.parameters():
+            n, m = (p.shape[0], p.numel() // p.shape[0]) if p.dim() > 1 else (p.numel(), 1)
+            values += (n + m) * r if p.dim() > 1 and (n + m) * r * 2 < n * m else p.numel()
+    else:
+        values = sum(p.numel() for p in model.parameters())
+        vb = 2 if cfg.reducer == "ddp-fp16" else 4
+    return int(2 * (P - 1) * values * vb // P)
 
 
 def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict | None,
@@ -203,7 +269,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         if rd is None:
             return
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                 "engine": ddp.sparsync_state_dict() if not cfg.is_torch_ddp else None,
+                 "engine": ddp.sparsync_state_dict() if (ddp is not None and not cfg.is_torch_ddp) else None,
                  "loop": {"train_time": train_time, "evals": evals, "time_to_target": time_to_target}}
         save_checkpoint(rd.ckpt_dir(step) / f"rank{rank}.pt", cfg, rank, step, state)
         comm.barrier()
@@ -239,7 +305,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             rec = {"step": step, "loss": lv, "time_s": train_time, "step_s": step_s, "forward_s": t1 - t0,
                    "backward_s": t2 - t1, "optimizer_s": t3 - t2}
             if cfg.is_torch_ddp:
-                rec.update(bytes_sent=_ddp_bytes(cfg, numel), bytes_received=_ddp_bytes(cfg, numel),
+                nb = _ddp_bytes(cfg, model)
+                rec.update(bytes_sent=nb, bytes_received=nb,
                            density=1.0, selected=numel, numel=numel, compute_s=None)
             else:
                 st = dict(getattr(ddp, "last_stats", {}) or {})
@@ -316,7 +383,8 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
     final = evals[-1] if evals else {}
     return {
         "name": cfg.name, "label": cfg.label(), "workload": cfg.workload, "reducer": cfg.reducer,
-        "density": None if cfg.reducer in ("dense",) + TORCH_DDP else cfg.density, "merge": cfg.merge,
+        "density": None if cfg.reducer in ("dense", NOCOMM) + TORCH_DDP else cfg.density, "merge": cfg.merge,
+        "convergence": dict(cfg.convergence),
         "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
         "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
         "best_accuracy": max((e["accuracy"] for e in evals), default=None),

@@ -64,6 +64,7 @@ def table_rows(summaries: list[dict]) -> list[dict]:
     did not reach the target, dense's median step time / this run's (marked ``step``)."""
     from .records import add_speedups
 
+    floor = next((s.get("median_step_s") for s in summaries if s["reducer"] == "nocomm"), None)
     rows = []
     for s in add_speedups([dict(x) for x in summaries]):
         tt = s.get("time_to_target_s")
@@ -76,6 +77,7 @@ def table_rows(summaries: list[dict]) -> list[dict]:
         rows.append({
             "config": s["label"], "name": s["name"],
             "step_ms": _ms(s.get("median_step_s")), "compute_ms": _ms(s.get("median_compute_s")),
+            "x_floor": "–" if not floor or s.get("median_step_s") is None else f"{s['median_step_s'] / floor:.2f}",
             "select_ms": _ms(s.get("median_select_s")), "comm_ms": _ms(s.get("median_comm_s")),
             "select_mean_ms": _ms(_max_rank(s, "mean_select_s") or s.get("mean_select_s")),
             "wait_ms": _ms(s.get("median_wait_s")),
@@ -88,7 +90,7 @@ def table_rows(summaries: list[dict]) -> list[dict]:
     return rows
 
 
-_COLS = [("config", "configuration"), ("step_ms", "step ms"), ("compute_ms", "compute ms"),
+_COLS = [("config", "configuration"), ("step_ms", "step ms"), ("x_floor", "x floor"), ("compute_ms", "compute ms"),
          ("select_ms", "select ms"), ("select_mean_ms", "select ms (mean, slowest rank)"),
          ("comm_ms", "comm ms"), ("wait_ms", "wait ms"), ("mb_step", "MB sent/step"),
          ("density", "density"), ("time_to_target", "time to target"), ("final_acc", "final acc"),
@@ -214,6 +216,8 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
                "leader. `comm` is the reducers' own time and may "
                "overlap backward; `wait` is the communication left after backward. torch DDP rows have no split "
                "(their all-reduce runs inside backward); their bytes are the ring all-reduce formula. "
+               "`x floor` = step time / the no-communication floor's (same model and data, gradients not "
+               "exchanged; its accuracy is rank 0's local model). "
                "`speed-up vs dense` is in time to target; `step` marks the median step-time ratio, shown when "
                "this run or dense did not reach the target. The same numbers as data: `comparison.csv`, "
                "`comparison.json`."), ""]

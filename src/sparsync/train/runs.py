@@ -72,6 +72,7 @@ class TrainConfig:
     reducer_options: dict = field(default_factory=dict)
     workload_options: dict = field(default_factory=dict)
     ddp_options: dict = field(default_factory=dict)   # extra SparseDDP keywords (nonfinite, unused, ...)
+    convergence: dict = field(default_factory=dict)   # sparsync.convergence.GradientPolicy options
     workers: int = 4
     steps: int | None = None
     epochs: float | None = None
@@ -121,14 +122,18 @@ class TrainConfig:
 
     @property
     def is_torch_ddp(self) -> bool:
-        return self.reducer in ("ddp", "ddp-fp16")
+        return self.reducer == "ddp" or self.reducer.startswith("ddp-")  # ddp-fp16, ddp-powersgd<rank>
 
     def label(self) -> str:
         if self.is_torch_ddp:
             return "torch " + self.reducer
+        if self.reducer == "nocomm":
+            return "no-comm floor"
+        conv = "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
+                       for k, v in sorted(self.convergence.items()))
         if self.reducer == "dense":
-            return f"dense ({self.merge})"
-        return f"{self.reducer} {self.density:g} ({self.merge})"
+            return f"dense ({self.merge}{conv})"
+        return f"{self.reducer} {self.density:g} ({self.merge}{conv})"
 
 
 def default_name(cfg: TrainConfig) -> str:
