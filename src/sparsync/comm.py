@@ -157,7 +157,12 @@ class Comm(ABC):
     def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
     @abstractmethod
-    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor: ...
+    def _allreduce_(self, t: torch.Tensor, op: str) -> None:
+        """Reduce ``t`` over ranks in place (the same bits on every rank)."""
+
+    @abstractmethod
+    def _allgather_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """Every rank's ``t`` (equal sizes) into ``out`` (``P * t.numel()``), in rank order."""
 
     @abstractmethod
     def _alltoall(self, flat: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor: ...
@@ -331,6 +336,20 @@ class Comm(ABC):
         self._charge_collective(cost)
         return out
 
+    def allgather_into(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """:meth:`allgather` into one flat tensor: rank ``r``'s ``t`` lands in
+        ``out[r*m:(r+1)*m]`` (``m = t.numel()``, the same on every rank). No per-rank output tensors
+        and no concatenation copy (dense all-gathers of large vectors). Same ledger as allgather."""
+        t = _as_1d(t, "allgather_into")
+        if out.dim() != 1 or out.numel() != self.world_size * t.numel() or out.dtype != t.dtype:
+            raise CommError(f"allgather_into needs a 1-D {t.dtype} output of {self.world_size} x {t.numel()} "
+                            f"elements, got {out.dtype} of shape {tuple(out.shape)}")
+        self._allgather_into(t, out)
+        cost = self._ring_cost(1, (self.world_size - 1) * _nbytes(t))
+        self._record(cost)
+        self._charge_collective(cost)
+        return out
+
     def allgatherv(self, t: torch.Tensor) -> list[torch.Tensor]:
         """All ranks' tensors of possibly different lengths (counts first, then padded all-gather).
 
@@ -353,12 +372,24 @@ class Comm(ABC):
         self._charge_collective(cost)
         return [x[:c] for x, c in zip(out, counts)]
 
-    def allreduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Dense all-reduce (``sum``, ``max`` or ``min``); returns a new tensor, input untouched."""
+    def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense all-reduce (``sum``, ``max`` or ``min``); input untouched unless it is ``out``.
+
+        The result goes into ``out`` when given (a buffer of ``t``'s size and dtype, or ``t`` itself
+        for an in-place reduction: no copy at all), else into a new tensor. A caller that recycles
+        ``out`` avoids the allocation (page faults of a fresh 40 MB buffer cost more than the copy).
+        """
         if op not in ("sum", "max", "min"):
             raise CommError(f"allreduce op must be sum, max or min, got {op!r}")
         t = _as_1d(t, "allreduce")
-        out = self._allreduce(t, op)
+        if out is None:
+            out = t.clone()
+        elif out is not t:
+            if out.shape != t.shape or out.dtype != t.dtype or not out.is_contiguous():
+                raise CommError(f"allreduce out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)}, "
+                                f"got {out.dtype} {tuple(out.shape)}")
+            out.copy_(t)
+        self._allreduce_(out, op)
         P = self.world_size
         cost = self._ring_cost(2, 2 * (P - 1) * _nbytes(t) // P if P > 1 else 0)
         self._record(cost)

@@ -24,6 +24,9 @@ __all__ = [
     "sparse_is_smaller",
     "add",
     "as_dense",
+    "as_dtype",
+    "sum_dtype",
+    "sum_streams",
     "encode",
     "decode",
     "wire_nbytes",
@@ -211,22 +214,80 @@ def add(a: Payload, b: Payload) -> Payload:
       sparse result O(nnz_a + nnz_b).
     * either dense: scatter-add the sparse one into a copy of the dense one (1c/1d), or add (1b).
 
-    Never modifies its inputs. ``add(a, b)`` and ``add(b, a)`` are bitwise identical.
+    Half-precision operands are summed in fp32 (:func:`sum_dtype`). Never modifies its inputs.
+    ``add(a, b)`` and ``add(b, a)`` are bitwise identical.
     """
     na = a.numel if isinstance(a, SparseVec) else a.numel()
     nb = b.numel if isinstance(b, SparseVec) else b.numel()
     _check_same_numel(na, nb)
+    dt = sum_dtype(torch.promote_types(a.dtype, b.dtype))
+    a, b = as_dtype(a, dt), as_dtype(b, dt)
     if isinstance(a, SparseVec) and isinstance(b, SparseVec):
         if sparse_is_smaller(a.nnz + b.nnz, na, a.dtype):
             return _sparse_union(a, b)
         out = torch.zeros(na, dtype=a.dtype, device=a.device)
         out[a.indices] = a.values
-        return out.index_add_(0, b.indices, b.values.to(a.dtype))
+        return out.index_add_(0, b.indices, b.values)
     if isinstance(a, SparseVec):
-        return b.clone().index_add_(0, a.indices, a.values.to(b.dtype))
+        return b.clone().index_add_(0, a.indices, a.values)
     if isinstance(b, SparseVec):
-        return a.clone().index_add_(0, b.indices, b.values.to(a.dtype))
+        return a.clone().index_add_(0, b.indices, b.values)
     return a + b
+
+
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are computed in: at least float32 (fp16/bf16 values that travel in half
+    precision are summed in fp32, so no mass is lost in the sum), else ``dtype``."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def as_dtype(x: Payload, dtype: torch.dtype) -> Payload:
+    if x.dtype == dtype:
+        return x
+    if isinstance(x, SparseVec):
+        return SparseVec(x.indices, x.values.to(dtype), x.numel, check=False)
+    return x.to(dtype)
+
+
+def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, device=None) -> Payload:
+    """Exact sum of several payloads of one index space, in list order, in one pass.
+
+    The multi-operand form of :func:`add` (a part owner summing what ``P`` ranks sent, an
+    all-gather summing every rank's stream): instead of ``P - 1`` pairwise unions (one sort each)
+    it concatenates the sparse parts and sorts once (``torch.unique``), then scatter-adds the
+    values in list order, so every index gets ``0 + v_0 + v_1 + ...`` - bitwise the same as the
+    chain of pairwise :func:`add` calls, and the same on every rank that sums the same list.
+
+    Representation of the result (mirrored by the cost formulas, ``CostSim.add_many``):
+
+    * dense when any part is dense, or when the parts hold ``>= numel`` items together (one dense
+      scatter-add pass is then cheaper than sorting them);
+    * otherwise sparse when the *actual* union ``u`` is smaller on the wire
+      (``u*(c+isize) < numel*isize``, SparCML's switch rule), else dense.
+    """
+    numel = int(numel)
+    if not parts:
+        raise ValueError("sum_streams needs at least one part")
+    dtype = dtype or parts[0].dtype
+    device = device if device is not None else parts[0].device
+    sparse = [p for p in parts if isinstance(p, SparseVec)]
+    if len(sparse) < len(parts) or sum(p.nnz for p in sparse) >= numel:
+        out = torch.zeros(numel, dtype=dtype, device=device)
+        for p in parts:
+            if isinstance(p, SparseVec):
+                out.index_add_(0, p.indices, p.values.to(dtype))
+            else:
+                out += p
+        return out
+    idx = torch.cat([p.indices for p in sparse])
+    vals = torch.cat([p.values.to(dtype) for p in sparse])
+    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
+    out = torch.zeros(uniq.numel(), dtype=dtype, device=device).index_add_(0, inverse, vals)
+    if sparse_is_smaller(uniq.numel(), numel, dtype):
+        return SparseVec(uniq, out, numel, check=False)
+    dense = torch.zeros(numel, dtype=dtype, device=device)
+    dense[uniq] = out
+    return dense
 
 
 # ---------------------------------------------------------------------- wire format

@@ -183,7 +183,10 @@ class ThreadComm(Comm):
         vals = self._collective("allgather", t.clone(), lambda v: v)
         return [v.clone() for v in vals]
 
-    def _allreduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _allgather_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        torch.cat(self._allgather(t), out=out)
+
+    def _allreduce_(self, t: torch.Tensor, op: str) -> None:
         def combine(vals):
             out = vals[0].clone()
             for v in vals[1:]:  # canonical rank order: identical result on every rank
@@ -198,7 +201,7 @@ class ThreadComm(Comm):
                     torch.minimum(out, v, out=out)
             return out
 
-        return self._collective("allreduce:" + op, t.clone(), combine).clone()
+        t.copy_(self._collective("allreduce:" + op, t.clone(), combine))
 
     def _alltoall(self, flat, send_splits, recv_splits) -> torch.Tensor:
         P = self.world_size

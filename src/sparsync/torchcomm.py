@@ -13,6 +13,8 @@ from .comm import Comm, Handle
 
 __all__ = ["TorchComm"]
 
+# torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there)
+_allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -58,10 +60,11 @@ class TorchComm(Comm):
         dist.all_gather(out, t, group=self.group)
         return out
 
-    def _allreduce(self, t, op):
-        out = t.clone()
-        dist.all_reduce(out, op=_OPS[op], group=self.group)
-        return out
+    def _allreduce_(self, t, op):
+        dist.all_reduce(t, op=_OPS[op], group=self.group)
+
+    def _allgather_into(self, t, out):
+        _allgather_single(out, t, group=self.group)
 
     def _alltoall(self, flat, send_splits, recv_splits):
         out = torch.empty(sum(recv_splits), dtype=flat.dtype, device=self.device)

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 #: what a user would run instead of a sparse all-reduce (see :func:`collective_fn`)
-BASELINES = ("dense", "plain_allgather")
+BASELINES = ("dense", "plain_allgather", "dense_reducer")
 TIME_KEYS = ("select_s", "comm_s", "total_s", "wall_s")
 MAX_KEYS = ("bytes_sent", "bytes_received", "messages", "rounds")
 
@@ -118,16 +118,23 @@ def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None 
 
     Registered algorithms are called directly (no input check, no conversion of a dense result to
     a SparseVec), so timing covers the algorithm only. Baselines (:data:`BASELINES`): ``"dense"``:
-    ``comm.allreduce`` of ``sv.to_dense()`` (or of a random vector of ``numel`` elements when ``sv``
-    is None), built now; ``"plain_allgather"``: what a user writes by hand - two plain all-gathers
-    of the (int64 indices, values) tensors (every rank must have the same nnz) and ``index_add_``
-    into a zero dense vector in rank order (issue 11's reference).
+    the bare in-place all-reduce of a dense vector (``sv.to_dense()``, or a random vector of
+    ``numel`` elements when ``sv`` is None, built now) - one gloo ``all_reduce`` call, what torch DDP
+    does; the buffer is reduced again on every call (the values grow by ``P`` per call; the time does
+    not depend on them); ``"dense_reducer"``: sparsync's ``dense`` reducer on the same vector (a
+    fresh result every call, input untouched), to compare with the bare all-reduce;
+    ``"plain_allgather"``: what a user writes by hand - two plain all-gathers of the (int64
+    indices, values) tensors (every rank must have the same nnz) and ``index_add_`` into a zero dense
+    vector in rank order (issue 11's reference).
     """
     if algorithm in BASELINES and options:
         raise TypeError(f"the {algorithm} baseline takes no options, got {', '.join(sorted(options))}")
-    if algorithm == "dense":
+    if algorithm in ("dense", "dense_reducer"):
         dense = sv.to_dense() if sv is not None else torch.randn(int(numel), device=comm.device)
-        return lambda: comm.allreduce(dense)
+        if algorithm == "dense_reducer":
+            red = make_reducer("dense", comm)
+            return lambda: red.reduce(dense)
+        return lambda: comm.allreduce(dense, out=dense)
     if algorithm == "plain_allgather":
         return _plain_allgather(comm, sv)
     algos = load_collectives()

@@ -11,15 +11,20 @@ Cost (ring all-gather, per rank, ``m`` = largest wire size in bytes over ranks):
 (with every rank sending ``k`` sparse pairs: ``m = 8 + k*(c + isize)``; the documents' recursive
 doubling version has ``log2 P`` rounds and the same ``(P-1)k`` volume).
 
-Summation is done into a dense buffer in rank order, one ``index_add_`` per rank (indices within
-one rank are unique), so every rank computes bitwise the same result.
+Summation is in rank order, so every rank computes bitwise the same result:
+:func:`~sparsync.sparse.sum_streams` concatenates the ``P`` sparse streams and sorts once (``O(Pk log
+Pk)``, no pass over the ``n`` entries: the result stays a sparse vector while it is smaller), or, with
+``dense=True`` (the ``topka`` reducer, which needs the dense sum anyway) and whenever a stream is
+dense, scatter-adds into a dense buffer, one ``index_add_`` per rank (indices within one rank are
+unique). Both give ``0 + v_0 + v_1 + ...`` per index. Values that travel in half precision
+(fp16/bf16, a reducer's ``value_dtype``) are summed in fp32, so no mass is lost in the sum.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..sparse import SparseVec, decode, encode
+from ..sparse import SparseVec, decode, encode, sum_streams
 from .registry import register
 
 
@@ -28,17 +33,22 @@ def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
     out = torch.zeros(numel, dtype=dtype, device=device)
     for p in payloads:
         if isinstance(p, SparseVec):
-            out.index_add_(0, p.indices, p.values)
+            out.index_add_(0, p.indices, p.values.to(dtype))
         else:
             out += p
     return out
 
 
 @register("allgather")
-def allgather(sv: SparseVec, comm, **_) -> torch.Tensor:
+def allgather(sv: SparseVec, comm, dense: bool = False, **_):
+    """Exact sum of every rank's ``sv``: a dense tensor with ``dense=True``, else a payload
+    (SparseVec while the union is smaller than dense)."""
     bufs = comm.allgatherv(encode(sv))
     payloads = [decode(b, sv.numel, sv.dtype) for b in bufs]
-    return sum_in_rank_order(payloads, sv.numel, sv.dtype, sv.device)
+    acc_dtype = torch.promote_types(sv.dtype, torch.float32)  # half values on the wire: sum in fp32
+    if dense:
+        return sum_in_rank_order(payloads, sv.numel, acc_dtype, sv.device)
+    return sum_streams(payloads, sv.numel, acc_dtype, sv.device)
 
 
 def allgather_cost(P, n, k, value_bytes=4, index_bytes=4, **_):

@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from ..sparse import SparseVec
+from ..sparse import SparseVec, sum_dtype
 from .registry import ALGORITHMS, COSTS, register
 from .sparcml_common import as_stream, densify, index_bytes_for, phase_label
 
@@ -167,7 +167,8 @@ def auto(sv: SparseVec, comm, alpha: float | None = None, beta: float | None = N
         return as_stream(sv)
     with comm.phase(phase_label(comm, name)):
         if name == "dense":
-            return comm.allreduce(densify(as_stream(sv)))
+            d = densify(as_stream(sv)).to(sum_dtype(sv.dtype))
+            return comm.allreduce(d, out=d)  # in place: d is a fresh tensor of our own
         opts = {"group_size": group_size} if name == "dsar_early_switch" else {}
         return ALGORITHMS[name](sv, comm, **opts)
 

@@ -28,7 +28,7 @@ rank, in **bytes received** (``s(m, d) = 8 + min(m(c+isize), d*isize)``; comm he
 
 from __future__ import annotations
 
-from ..sparse import SparseVec
+from ..sparse import SparseVec, sum_dtype
 from .dsar_split_allgather import check_allgather
 from .registry import register
 from .sparcml_common import (
@@ -38,7 +38,7 @@ from .sparcml_common import (
     as_stream,
     densify,
     direct_split_sum,
-    fold,
+    fold_active,
     index_bytes_for,
     log2i,
     num,
@@ -65,7 +65,7 @@ def early_switch_payload(comm, x, f, numel, dtype, G):
     gb = part_bounds(numel, G)
     with comm.phase(phase_label(comm, "group-split")):
         acc = direct_split_sum(comm, x, gb, [f.real(g * G + j) for j in range(G)], p, dtype)
-    D = densify(acc)
+    D = densify(acc).to(sum_dtype(dtype))  # a group of one did not sum: half values are summed in fp32
     # Phase 2: dense recursive-halving reduce-scatter across the Q groups (same position p)
     sub = part_bounds(gb[p + 1] - gb[p], Q)          # sub-chunks of part p, local coordinates
     lo, hi = 0, Q                                      # chunk range [lo, hi) this rank still holds
@@ -80,7 +80,7 @@ def early_switch_payload(comm, x, f, numel, dtype, G):
                 keep, give = (lo, mid), (mid, hi)
             send = D[sub[give[0]] - sub[lo]: sub[give[1]] - sub[lo]]
             n_keep = sub[keep[1]] - sub[keep[0]]
-            got = comm.sendrecv(send, partner, partner, recv_numel=n_keep, recv_dtype=dtype)
+            got = comm.sendrecv(send, partner, partner, recv_numel=n_keep, recv_dtype=D.dtype)
             mine = D[sub[keep[0]] - sub[lo]: sub[keep[1]] - sub[lo]]
             D = mine + got                            # two operands: commutative, both partners agree
             lo, hi = keep
@@ -103,7 +103,8 @@ def dsar_early_switch(sv: SparseVec, comm, group_size: int = 8, allgather: str =
     x = as_stream(sv)
     if comm.world_size == 1:
         return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
+    f, x = fold_active(comm, x, sv.numel, sv.dtype)
+    sdt = sum_dtype(sv.dtype)
     Gp = min(G, f.Pp)
     Q = f.Pp // Gp
     bounds = chunk_bounds(sv.numel, Gp, Q)
@@ -116,10 +117,10 @@ def dsar_early_switch(sv: SparseVec, comm, group_size: int = 8, allgather: str =
     # Phase 3: dense all-gather over all ranks, result in chunk-id order
     with comm.phase(phase_label(comm, "allgather")):
         if allgather == "ring":
-            return ring_allgather_dense(comm, f, D, bounds, chunk_of, sv.dtype, sv.device)
+            return ring_allgather_dense(comm, f, D, bounds, chunk_of, sdt, sv.device)
         if f.active:
             x = allgather_concat(comm, D, bounds, chunk_of(f.vrank), lambda c: f.real((c % Q) * Gp + c // Q),
-                                 sv.dtype, dense=True)
+                                 sdt, dense=True)
     return unfold(comm, f, x, sv.numel, sv.dtype)
 
 
@@ -137,10 +138,7 @@ def dsar_early_switch_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="ra
     kg = k / G
     union = union_model(pattern, kg, dg)
     b1 = (G - 1) * sim.bytes(sim.start(kg, dg), dg)
-    s0 = sim.start(kg, dg)
-    acc = s0
-    for j in range(1, G):
-        acc = sim.add(acc, s0, union(j + 1), dg)
+    sim.add_many([sim.start(kg, dg)] * G, union(G), dg)
     sim.densify(dg)
     sim.dense_elems += (dg - dg // Q) + (Pp - 1) * (n // Pp)  # reduce-scatter adds, all-gather copies
     b2 = (Q - 1) * (dg // Q) * value_bytes

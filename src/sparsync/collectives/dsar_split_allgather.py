@@ -19,13 +19,16 @@ Cost per rank, ``P`` a power of two, ``N`` divisible by ``P``, ``k/P`` items per
     bytes_received = (P-1) * s(k/P, N/P)  +  (P-1)/P * N * isize
       (thesis: [(P-1)/P N, k + (P-1)/P N] items; the split volume is the same for every pattern)
 
-Non-power-of-two ``P`` with the ring: the pieces are padded to ``ceil(N/P')`` and every one of the
-``P`` ranks contributes one, so ``(P-1) * ceil(N/P') * isize`` bytes, one fold round.
+With the ring the parts have width ``ceil(N/P')`` (:func:`~.sparcml_common.padded_bounds`; the
+last ones may be shorter) so that the gathered buffer is the result without a reassembly copy; every
+one of the ``P`` ranks contributes one piece of that width, so the all-gather receives
+``(P-1) * ceil(N/P') * isize`` bytes (for ``N`` divisible by ``P'`` and ``P = P'`` the line above);
+a non-power-of-two ``P`` adds one fold round.
 """
 
 from __future__ import annotations
 
-from ..sparse import SparseVec
+from ..sparse import SparseVec, sum_dtype
 from .registry import register
 from .sparcml_common import (
     phase_label,
@@ -33,8 +36,9 @@ from .sparcml_common import (
     allgather_concat,
     as_stream,
     densify,
-    fold,
+    fold_active,
     num,
+    padded_bounds,
     part_bounds,
     ring_allgather_dense,
     unfold, union_model)
@@ -55,18 +59,21 @@ def dsar_split_allgather(sv: SparseVec, comm, allgather: str = "ring", **_):
     x = as_stream(sv)
     if comm.world_size == 1:
         return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
-    bounds = part_bounds(sv.numel, f.Pp)
+    f, x = fold_active(comm, x, sv.numel, sv.dtype)
+    sdt = sum_dtype(sv.dtype)
+    # ring: parts of width ceil(N/P') so that the gathered buffer is the result (no reassembly)
+    bounds = padded_bounds(sv.numel, f.Pp) if allgather == "ring" else part_bounds(sv.numel, f.Pp)
     acc = None
     if f.active:
-        bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
-        acc = densify(acc)
+        bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype, bounds)
+        if allgather != "ring":
+            acc = densify(acc)
     if allgather == "ring":
         with comm.phase(phase_label(comm, "allgather")):
-            return ring_allgather_dense(comm, f, acc, bounds, lambda v: v, sv.dtype, sv.device)
+            return ring_allgather_dense(comm, f, acc, bounds, lambda v: v, sdt, sv.device)
     if f.active:
         with comm.phase(phase_label(comm, "allgather")):
-            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype, dense=True)
+            x = allgather_concat(comm, acc, bounds, f.vrank, f.real, sdt, dense=True)
     return unfold(comm, f, x, sv.numel, sv.dtype)
 
 
@@ -82,8 +89,7 @@ def dsar_split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern=
     ag = (Pp - 1) * d * value_bytes
     if check_allgather(allgather) == "ring":
         rounds = (Pp - 1) + (P - 1) + (1 if Pp != P else 0)      # fold only; the ring reaches everyone
-        ag = (P - 1) * -(-n // Pp) if Pp != P else (P - 1) * d   # padded pieces of max size
-        ag *= value_bytes
+        ag = (P - 1) * -(-n // Pp) * value_bytes                 # pieces of width ceil(N/P') (padded_bounds)
     else:
         rounds = (Pp - 1) + L + extra
     return {"rounds": rounds if P > 1 else 0, "bytes_received": num(split + ag), "compute": sim.work()}

@@ -27,7 +27,8 @@ import math
 
 import torch
 
-from ..sparse import SparseVec, add, decode, encode, index_dtype_for, sparse_is_smaller
+from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
+                      sum_streams)
 
 __all__ = [
     "CostSim",
@@ -40,6 +41,7 @@ __all__ = [
     "exchange_stream",
     "expected_union",
     "fold",
+    "padded_bounds",
     "part_bounds",
     "pow2_floor",
     "send_stream",
@@ -74,7 +76,8 @@ def stream_bytes(m: int, d: int, value_bytes: int = 4, index_bytes: int = 4, hea
 
 
 def exchange_stream(comm, x, partner: int, numel: int, dtype) -> object:
-    """Send payload ``x`` to ``partner`` and receive its payload (variable size, one round)."""
+    """Send payload ``x`` to ``partner`` and receive its payload (variable size, one round) of
+    values of ``dtype`` (partners in the same stage hold payloads of the same dtype)."""
     buf = comm.sendrecv(encode(x), partner, partner)
     return decode(buf, numel, dtype)
 
@@ -126,6 +129,16 @@ def fold(comm, x, numel: int, dtype) -> tuple[Fold, object]:
         return f, add(x, got)
 
 
+def fold_active(comm, x, numel: int, dtype) -> tuple[Fold, object]:
+    """:func:`fold`, and on a folded world every survivor's stream in the sum dtype: the paired
+    ranks now hold a sum (fp32 for half-precision values), and every stage of the algorithms
+    expects its partner's stream in its own dtype."""
+    f, x = fold(comm, x, numel, dtype)
+    if f.e and f.active:
+        x = as_dtype(x, sum_dtype(dtype))
+    return f, x
+
+
 def unfold(comm, f: Fold, result, numel: int, dtype):
     """Post-step: even ranks ``< 2e`` send the result back to their odd partner."""
     if f.e == 0 or comm.rank >= 2 * f.e:
@@ -134,7 +147,7 @@ def unfold(comm, f: Fold, result, numel: int, dtype):
         if comm.rank % 2 == 0:
             send_stream(comm, result, comm.rank + 1)
             return result
-        return recv_stream(comm, comm.rank - 1, numel, dtype)
+        return recv_stream(comm, comm.rank - 1, numel, sum_dtype(dtype))
 
 
 def run_folded(sv: SparseVec, comm, body):
@@ -145,7 +158,7 @@ def run_folded(sv: SparseVec, comm, body):
     x = as_stream(sv)
     if comm.world_size == 1:
         return x
-    f, x = fold(comm, x, sv.numel, sv.dtype)
+    f, x = fold_active(comm, x, sv.numel, sv.dtype)
     if f.active:
         x = body(x, f)
     return unfold(comm, f, x, sv.numel, sv.dtype)
@@ -164,6 +177,14 @@ def part_bounds(numel: int, parts: int, start: int = 0) -> list[int]:
     b = [start + j * w for j in range(parts)]
     b.append(start + numel)
     return b
+
+
+def padded_bounds(numel: int, parts: int) -> list[int]:
+    """``parts + 1`` boundaries of width ``m = ceil(numel/parts)`` (the last parts may be shorter or
+    empty): the layout of a ring all-gather of pieces padded to ``m``, so that the gathered buffer
+    *is* the result (``out[:numel]``, no reassembly copy; DSAR's dense all-gather)."""
+    m = -(-numel // parts) if parts else 0
+    return [min(numel, j * m) for j in range(parts)] + [numel]
 
 
 def split_stream(x, bounds: list[int]) -> list:
@@ -200,14 +221,15 @@ def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtyp
     """Split phase (§3.2/§6): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
 
     Counts first (the comm's size headers, recorded as header traffic), then all payloads posted
-    at once (non-blocking); arrivals are folded into the accumulator in a fixed order
-    (``me-1, me-2, ...``) while the later ones are still in flight. Returns the summed part ``me``.
+    at once (non-blocking); arrivals are decoded in a fixed order (``me-1, me-2, ...``) while the
+    later ones are still in flight, then summed in one pass (:func:`~sparsync.sparse.sum_streams`:
+    one sort for all ``G`` parts instead of ``G-1`` pairwise unions; result sparse or dense by the
+    actual union size). Returns the summed part ``me``.
     """
     G = len(peers)
     parts = split_stream(x, bounds)
-    acc = parts[me]
     if G == 1:
-        return acc
+        return parts[me]
     order = [(me - i) % G for i in range(1, G)]            # receive from these group positions
     send_order = [(me + i) % G for i in range(1, G)]       # staggered destinations
     bufs = {j: encode(parts[j]) for j in send_order}
@@ -215,9 +237,9 @@ def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtyp
     sizes = comm.exchange_sizes(sends, [peers[j] for j in order])
     handles = comm.post(sends, [(peers[j], sizes[peers[j]], torch.uint8) for j in order])
     dim = bounds[me + 1] - bounds[me]
-    for h in handles:
-        acc = add(acc, decode(h.wait(), dim, dtype))
-    return acc
+    # every peer is in this rank's state (input dtype, or the sum dtype after a fold): decode as x
+    got = [decode(h.wait(), dim, x.dtype) for h in handles]  # decoded while later ones are in flight
+    return sum_streams([parts[me]] + got, dim, sum_dtype(dtype), x.device)
 
 
 def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False):
@@ -307,6 +329,18 @@ class CostSim:
     def start(self, m, d):
         return (m, False) if self.smaller(m, d) else (d, True)
 
+    def add_many(self, states, union, d):
+        """:func:`~sparsync.sparse.sum_streams` of several streams whose union has ``union`` items."""
+        sparse_m = sum(m for m, dense in states if not dense)
+        if any(dense for _, dense in states) or sparse_m >= d:
+            self.dense_elems += d + sparse_m
+            return (d, True)
+        self.sparse_items += sparse_m
+        if self.smaller(union, d):
+            return (union, False)
+        self.dense_elems += d
+        return (d, True)
+
     def add(self, a, b, union, d):
         (ma, da), (mb, db) = a, b
         if da or db or not self.smaller(ma + mb, d):
@@ -347,21 +381,32 @@ def num(x):
 
 
 def ring_allgather_dense(comm, f: Fold, mine, bounds: list[int], pos_of_vrank, dtype, device):
-    """Dense all-gather of the ``P'`` owned pieces with the comm's (gloo ring) ``allgather``.
+    """Dense all-gather of the ``P'`` owned pieces with the comm's (gloo ring) all-gather.
 
     All ``P`` ranks take part, so the ranks folded away by :func:`fold` receive the result here
     and need no unfold. Every rank contributes ``m = max piece size`` values (the active ranks their
-    piece ``pos_of_vrank(vrank)`` padded with zeros, the folded ranks zeros); the result is put
-    together in piece order. Ledger (ring): ``P-1`` rounds, ``(P-1)*m*isize`` bytes received.
+    piece ``pos_of_vrank(vrank)`` - a payload, sparse or dense, written straight into the send
+    buffer - padded with zeros, the folded ranks zeros) into one flat buffer
+    (:meth:`~sparsync.comm.Comm.allgather_into`). When the pieces are in rank order and of width
+    ``m`` (no fold, identity placement, :func:`padded_bounds`) that buffer is the result; otherwise
+    the pieces are put together in piece order (one copy). Ledger (ring): ``P-1`` rounds,
+    ``(P-1)*m*isize`` bytes received.
     """
     sizes = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
     m = max(sizes)
     buf = torch.zeros(m, dtype=dtype, device=device)
     if f.active:
-        buf[: mine.numel()] = mine
-    got = comm.allgather(buf)
+        if isinstance(mine, SparseVec):
+            buf[mine.indices] = mine.values
+        else:
+            buf[: mine.numel()] = mine
+    out = torch.empty(comm.world_size * m, dtype=dtype, device=device)
+    comm.allgather_into(buf, out)
+    if f.e == 0 and all(pos_of_vrank(v) == v for v in range(f.Pp)) and all(s == m for s in sizes[:-1]):
+        return out[: bounds[-1] - bounds[0]]
     pieces = [None] * len(sizes)
     for v in range(f.Pp):
         pos = pos_of_vrank(v)
-        pieces[pos] = got[f.real(v)][: sizes[pos]]
+        r = f.real(v)
+        pieces[pos] = out[r * m: r * m + sizes[pos]]
     return torch.cat(pieces)

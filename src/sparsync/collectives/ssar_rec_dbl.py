@@ -44,7 +44,7 @@ def rec_dbl_payload(x, comm, f, numel, dtype):
     t = 1
     while t < f.Pp:
         partner = f.real(f.vrank ^ t)
-        got = exchange_stream(comm, x, partner, numel, dtype)
+        got = exchange_stream(comm, x, partner, numel, x.dtype)  # the partner is in the same state
         x = add(x, got)
         t *= 2
     return x

@@ -41,9 +41,11 @@ from .sparcml_common import (
 )
 
 
-def split_and_sum(comm, x, f, numel, dtype):
-    """Split phase over all ``P'`` survivors; returns (bounds, owned summed part)."""
-    bounds = part_bounds(numel, f.Pp)
+def split_and_sum(comm, x, f, numel, dtype, bounds=None):
+    """Split phase over all ``P'`` survivors; returns (bounds, owned summed part).
+
+    ``bounds``: the ``P'`` index ranges (default :func:`part_bounds`, the thesis' split)."""
+    bounds = part_bounds(numel, f.Pp) if bounds is None else bounds
     peers = [f.real(v) for v in range(f.Pp)]
     with comm.phase(phase_label(comm, "split")):
         acc = direct_split_sum(comm, x, bounds, peers, f.vrank, dtype)
@@ -55,21 +57,19 @@ def ssar_split_allgather(sv: SparseVec, comm, **_):
     def body(x, f):
         bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
         with comm.phase(phase_label(comm, "allgather")):
-            return allgather_concat(comm, acc, bounds, f.vrank, f.real, sv.dtype)
+            return allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype)  # sums: >= fp32
 
     return run_folded(sv, comm, body)
 
 
 def split_phase_cost(sim, P, n, k, union):
-    """Bytes of the split phase and the state (items, dense) of the summed part."""
+    """Bytes of the split phase and the state (items, dense) of the summed part (the ``P`` parts
+    summed at once, ``sum_streams``: the actual union ``union(P)`` decides sparse or dense)."""
     d = n // P
     kp = k / P
     s0 = sim.start(kp, d)
     recv = (P - 1) * sim.bytes(s0, d)
-    acc = s0
-    for j in range(1, P):
-        acc = sim.add(acc, s0, union(j + 1), d)
-    return recv, acc
+    return recv, sim.add_many([s0] * P, union(P), d)
 
 
 def split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="random"):

@@ -32,7 +32,11 @@ import torch
 
 from ..select.topk import check_density
 
-__all__ = ["Reducer"]
+__all__ = ["Reducer", "VALUE_DTYPES"]
+
+#: ``value_dtype`` option -> dtype of the transmitted values (None: the gradient's own dtype)
+VALUE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+_FP16_MAX = 65504.0  # largest finite float16: larger magnitudes are sent saturated, the rest kept
 
 
 def _storage_use_count(t: torch.Tensor) -> int | None:
@@ -47,10 +51,26 @@ class Reducer:
     name = "base"
     #: True when the conservation identity holds exactly (up to fp rounding) every step.
     conserving = True
+    #: True for reducers whose wire carries values as ``value_dtype`` (fp16/bf16): the values are
+    #: rounded before sending (:meth:`wire_values`), the rounding error stays in the residual
+    #: (:meth:`keep_unsent`), and the receivers sum in fp32, so conservation holds as before.
+    supports_value_dtype = False
+    #: False for reducers that sum the half-precision values themselves in a dense all-reduce
+    #: (:meth:`allreduce_wire_values`): that sum rounds outside any residual, so an instance with
+    #: ``value_dtype`` fp16/bf16 reports ``conserving = False``.
+    value_dtype_conserving = True
 
-    def __init__(self, comm, density: float = 0.01, **options):
+    def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", **options):
         if options:  # what no subclass consumed
             self.check_options(options, _unknown=options)
+        if value_dtype not in VALUE_DTYPES:
+            raise ValueError(f"value_dtype must be one of {', '.join(VALUE_DTYPES)}, got {value_dtype!r}")
+        if VALUE_DTYPES[value_dtype] is not None and not self.supports_value_dtype:
+            raise ValueError(f"reducer {self.name!r} does not support value_dtype={value_dtype!r} yet "
+                             "(its wire or its summation is not half-precision aware; see docs/sparcml.md)")
+        self.wire_dtype = VALUE_DTYPES[value_dtype]
+        if self.wire_dtype is not None and not self.value_dtype_conserving:
+            self.conserving = False
         self.comm = comm
         self.density = check_density(density)
         self.residual: torch.Tensor | None = None
@@ -167,12 +187,39 @@ class Reducer:
         """Error feedback, first half: ``acc = grad + residual`` (a new tensor; one pass)."""
         return grad.clone() if self.residual is None else grad + self.residual
 
-    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor) -> None:
-        """Error feedback, second half: the residual becomes ``acc`` with the sent entries zeroed.
+    def wire_values(self, vals: torch.Tensor) -> torch.Tensor:
+        """The values as they travel: rounded to ``value_dtype`` (fp16 saturates at +-65504), or
+        unchanged for fp32. Pass the result to :meth:`keep_unsent` so the rounding error stays."""
+        if self.wire_dtype is None or vals.dtype == self.wire_dtype:
+            return vals
+        if self.wire_dtype == torch.float16:
+            vals = vals.clamp(-_FP16_MAX, _FP16_MAX)
+        return vals.to(self.wire_dtype)
 
+    def allreduce_wire_values(self, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sent, sum over ranks) of values every rank holds at the same indices (MiCRO, CLT-k).
+
+        ``sent`` = :meth:`wire_values` (give it to :meth:`keep_unsent`); the sum is the ring
+        all-reduce of ``sent`` - in half precision with ``value_dtype`` fp16/bf16 (half the bytes;
+        the cross-rank rounding is not in any residual, hence ``value_dtype_conserving = False``;
+        summing in fp32 would need an all-gather, ``(P-1)*2`` instead of ``2(P-1)/P*2`` bytes per
+        value) - returned in ``vals``' dtype."""
+        sent = self.wire_values(vals)
+        return sent, self.comm.allreduce(sent).to(vals.dtype)
+
+    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor | None = None) -> None:
+        """Error feedback, second half: the residual becomes ``acc`` minus what was sent.
+
+        ``sent_vals`` (the :meth:`wire_values` actually sent) when they are rounded: the entry keeps
+        ``acc - float(sent)``, exact in fp32 (a value and its fp16/bf16 rounding are within a factor
+        2 unless the rounding is 0 or saturated, and then the difference is a representable fp32),
+        so ``acc == residual + sent`` holds bitwise. Otherwise the sent entries are zeroed.
         Takes ownership of ``acc`` (modified in place; no extra pass over the gradient).
         """
-        acc[sent_idx] = 0
+        if sent_vals is None or sent_vals.dtype == acc.dtype:
+            acc[sent_idx] = 0
+        else:
+            acc[sent_idx] = acc[sent_idx] - sent_vals.to(acc.dtype)
         self.residual = acc
 
     #: how many earlier outputs :meth:`zeros_output` keeps for recycling (the caller typically
@@ -187,14 +234,19 @@ class Reducer:
         the storage count is above the pool's own. Any in-place change the caller made is wiped by
         the full ``zero_()``.
         """
+        return self.output_buffer(numel, dtype, device, zero=True)
+
+    def output_buffer(self, numel: int, dtype: torch.dtype, device, zero: bool = False) -> torch.Tensor:
+        """:meth:`zeros_output` without the zero fill (``zero=False``): for a result that is fully
+        overwritten (the dense reducer copies the gradient in and all-reduces in place)."""
         pool = self.__dict__.setdefault("_output_pool", [])  # [(buffer, its own storage count)]
         device = torch.device(device)
         for i, (buf, own) in enumerate(pool):
             if (own is not None and buf.numel() == numel and buf.dtype == dtype and buf.device == device
                     and _storage_use_count(buf) == own):
                 pool.append(pool.pop(i))  # most recently used last
-                return buf.zero_().view(-1)
-        buf = torch.zeros(int(numel), dtype=dtype, device=device)
+                return (buf.zero_() if zero else buf).view(-1)
+        buf = (torch.zeros if zero else torch.empty)(int(numel), dtype=dtype, device=device)
         own = _storage_use_count(buf)
         if own is not None:
             pool.append((buf, own))

@@ -34,6 +34,8 @@ from .registry import register
 @register("cltk")
 class CLTKReducer(BufferedAccumulator, Reducer):
     conserving = True
+    supports_value_dtype = True  # values summed in half precision by the all-reduce: not conserving then
+    value_dtype_conserving = False
 
     def __init__(self, comm, density: float = 0.01, reuse_buffers: bool = True, **rest):
         super().__init__(comm, density=density, **rest)
@@ -57,10 +59,9 @@ class CLTKReducer(BufferedAccumulator, Reducer):
             with comm.phase(self.name + ".indices"):
                 idx = comm.broadcast(wire, leader).to(torch.int64)
             with comm.phase(self.name + ".values"):
-                vals = comm.allreduce(acc[idx])
+                sent, vals = self.allreduce_wire_values(acc[idx])
         with self.timed("update"):
-            acc.index_fill_(0, idx, 0)
-            self.residual = acc
+            self.keep_unsent(acc, idx, sent)
             out = torch.zeros(self.numel, dtype=acc.dtype, device=acc.device)
             out.index_copy_(0, idx, vals)
         self.stats.update(selected=k, leader=leader)

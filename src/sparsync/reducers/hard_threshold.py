@@ -37,6 +37,7 @@ from .registry import register
 @register("hard_threshold")
 class HardThresholdReducer(BufferedAccumulator, Reducer):
     conserving = True
+    supports_value_dtype = True  # half values on the wire, summed in fp32 (sum_in_rank_order)
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  reuse_buffers: bool = True, **rest):
@@ -59,12 +60,11 @@ class HardThresholdReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = threshold_indices(acc, self.threshold, workspace=self._ws)
-            vals = acc[idx]
-            acc.index_fill_(0, idx, 0)
-            self.residual = acc
+            vals = self.wire_values(acc[idx])
+            self.keep_unsent(acc, idx, vals)
         with self.timed("comm"):
             bufs = self.comm.allgatherv(encode(SparseVec(idx, vals, self.numel, check=False)))
-            payloads = [decode(b, self.numel, acc.dtype) for b in bufs]
+            payloads = [decode(b, self.numel, vals.dtype) for b in bufs]
             out = sum_in_rank_order(payloads, self.numel, acc.dtype, acc.device)
         gathered = sum(p.nnz if isinstance(p, SparseVec) else int(torch.count_nonzero(p)) for p in payloads)
         self.stats.update(selected=int(idx.numel()), gathered=gathered, threshold=self.threshold)

@@ -152,6 +152,8 @@ def check_cap_factor(cap_factor):
 @register("micro")
 class MicroReducer(BufferedAccumulator, Reducer):
     conserving = True
+    supports_value_dtype = True  # values summed in half precision by the all-reduce: not conserving then
+    value_dtype_conserving = False
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  rule: str = "histogram", spread: float = 1.1, max_spread: float = 4.0, bins: int = 128,
@@ -305,14 +307,17 @@ class MicroReducer(BufferedAccumulator, Reducer):
             K = union.numel()
             if K:
                 with comm.phase(self.name + ".values"):
-                    vals = comm.allreduce(acc[union])
+                    sent, vals = self.allreduce_wire_values(acc[union])
         with self.timed("update"):
             if self.reuse_buffers:  # recycled once the caller has dropped an earlier output
                 out = self.zeros_output(self.numel, acc.dtype, acc.device)
             else:
                 out = torch.zeros(self.numel, dtype=acc.dtype, device=acc.device)
             if K:
-                acc.index_fill_(0, union, 0)
+                if sent.dtype == acc.dtype:
+                    acc.index_fill_(0, union, 0)
+                else:  # half values sent: the rounding error stays
+                    acc[union] = acc[union] - sent.to(acc.dtype)
                 out.index_copy_(0, union, vals)
             self.residual = acc
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end

@@ -33,6 +33,7 @@ SELECTIONS = ("topk", "bucketed", "approx", "approx_at_most")
 
 @register("sparcml")
 class SparCMLReducer(Reducer):
+    supports_value_dtype = True  # half values on the wire (first stage), every sum in fp32
     def __init__(self, comm, density: float = 0.01, selection: str = "topk", algorithm: str = "auto",
                  bucket_size: int = 512, group_size: int = 8, seed: int = 0, dense_below: int = 0, **rest):
         super().__init__(comm, density=density, **rest)
@@ -69,7 +70,8 @@ class SparCMLReducer(Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx, vals = self._select(acc)
-            self.keep_unsent(acc, idx)
+            vals = self.wire_values(vals)
+            self.keep_unsent(acc, idx, vals)
         self.stats["selected"] = idx.numel()
         opts = {"group_size": self.group_size} if self.algorithm in ("dsar_early_switch", "auto") else {}
         if self.algorithm == "auto" and self.selection in ("topk", "bucketed"):

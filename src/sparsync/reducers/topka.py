@@ -3,7 +3,8 @@
 Per step: ``acc = grad + residual``; send the ``k`` entries of largest ``|acc|``; the rest is the new
 residual (SparCML Algorithm 2, ``spec/sparcml.md`` §7.1). Communication: the ``allgather``
 collective (``rounds = P-1``, ``(P-1)*m`` bytes each way for a wire size ``m``); the union can grow
-to ``P*k`` entries (gradient build-up). Conserving.
+to ``P*k`` entries (gradient build-up). Conserving, also with ``value_dtype="fp16"|"bf16"`` (values
+rounded before sending, rounding error kept in the residual, sum in fp32).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from .registry import register
 
 @register("topka")
 class TopkAReducer(Reducer):
+    supports_value_dtype = True  # half values on the wire, summed in fp32 by the allgather collective
     def _reduce(self, grad):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx, vals = topk_abs(acc, self.k)
-            self.keep_unsent(acc, idx)
+            vals = self.wire_values(vals)
+            self.keep_unsent(acc, idx, vals)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
-            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm)
+            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm, dense=True)
