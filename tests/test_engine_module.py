@@ -227,7 +227,7 @@ def _hook_suite(comm):
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_async_hook_matches_sync_and_resumes(P):
     res = ss.run_local(_hook_suite, P, backend="gloo", timeout=180)
     for r, (a, s, straight, resumed) in enumerate(res):
