@@ -26,6 +26,7 @@ __all__ = [
     "as_dense",
     "as_dtype",
     "sum_dtype",
+    "sum_in_rank_order",
     "sum_streams",
     "encode",
     "decode",
@@ -259,6 +260,18 @@ def as_dtype(x: Payload, dtype: torch.dtype) -> Payload:
     return x.to(dtype)
 
 
+def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
+    """Dense sum of decoded payloads (SparseVec or dense tensors) in rank order: deterministic, so
+    the same bits on every rank; values of any float dtype are summed in ``dtype``."""
+    out = torch.zeros(int(numel), dtype=dtype, device=device)
+    for p in payloads:
+        if isinstance(p, SparseVec):
+            out.index_add_(0, p.indices, p.values.to(dtype))
+        else:
+            out += p
+    return out
+
+
 def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, device=None) -> Payload:
     """Exact sum of several payloads of one index space, in list order, in one pass.
 
@@ -282,13 +295,7 @@ def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, devic
     device = device if device is not None else parts[0].device
     sparse = [p for p in parts if isinstance(p, SparseVec)]
     if len(sparse) < len(parts) or sum(p.nnz for p in sparse) >= numel:
-        out = torch.zeros(numel, dtype=dtype, device=device)
-        for p in parts:
-            if isinstance(p, SparseVec):
-                out.index_add_(0, p.indices, p.values.to(dtype))
-            else:
-                out += p
-        return out
+        return sum_in_rank_order(parts, numel, dtype, device)
     idx = torch.cat([p.indices for p in sparse])
     vals = torch.cat([p.values.to(dtype) for p in sparse])
     uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)

@@ -24,19 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse import SparseVec, decode, encode, sum_streams
+from ..sparse import SparseVec, decode, encode, sum_in_rank_order, sum_streams
 from .registry import register
-
-
-def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
-    """Dense sum of decoded payloads in rank order (deterministic; same on every rank)."""
-    out = torch.zeros(numel, dtype=dtype, device=device)
-    for p in payloads:
-        if isinstance(p, SparseVec):
-            out.index_add_(0, p.indices, p.values.to(dtype))
-        else:
-            out += p
-    return out
 
 
 @register("allgather")

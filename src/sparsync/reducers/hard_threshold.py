@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives.allgather import sum_in_rank_order
+from ..sparse import sum_in_rank_order
 from ..select.threshold import Workspace, check_threshold, initial_threshold, threshold_indices
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, sparse_is_smaller
 from .base import Reducer
