@@ -60,13 +60,17 @@ def make_generator(seed: int | None, device="cpu") -> torch.Generator:
     return g
 
 
-def bucketed_topk(x: torch.Tensor, kb: int, bucket_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``kb`` by magnitude inside every bucket of ``bucket_size`` elements (fixed slots)."""
-    kb = _check(x, kb, "bucketed_topk")
+def _bucket_args(x: torch.Tensor, kb: int, bucket_size: int, name: str) -> tuple[int, int]:
+    """Checked ``(kb, n)`` of a bucketed selection: ``kb`` capped at the bucket size."""
+    kb = _check(x, kb, name)
     if bucket_size < 1:
         raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
-    n = x.numel()
-    kb = min(kb, bucket_size)
+    return min(kb, bucket_size), x.numel()
+
+
+def bucketed_topk(x: torch.Tensor, kb: int, bucket_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``kb`` by magnitude inside every bucket of ``bucket_size`` elements (fixed slots)."""
+    kb, n = _bucket_args(x, kb, bucket_size, "bucketed_topk")
     if kb == 0 or n == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device), x.new_empty(0)
     nb = -(-n // bucket_size)
@@ -121,11 +125,7 @@ def bucketed_sample(x: torch.Tensor, kb: int, bucket_size: int = 512, generator:
     ``real`` marks sampled pairs (``values = x[indices]``); padding pairs sit at unsampled positions of
     their bucket with value 0 (so a sum is unchanged, and error feedback must keep ``x`` there).
     """
-    kb = _check(x, kb, "bucketed_sample")
-    if bucket_size < 1:
-        raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
-    n = x.numel()
-    kb = min(kb, bucket_size)
+    kb, n = _bucket_args(x, kb, bucket_size, "bucketed_sample")
     if kb == 0 or n == 0:
         e = torch.empty(0, dtype=torch.int64, device=x.device)
         return e, x.new_empty(0), torch.empty(0, dtype=torch.bool, device=x.device)

@@ -122,14 +122,7 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
         ax.plot([r["time_s"] for r in ev], [r["accuracy"] for r in ev], label=s["label"], **_style(i, len(ev)))
     if target:
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
-    ax.set_xlabel("training wall-clock (s, evaluation excluded)")
-    ax.set_ylabel("held-out accuracy")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "accuracy_vs_time.png", dpi=110)
-    plt.close(fig)
+    _finish_time_plot(fig, ax, "held-out accuracy", title, out_dir / "accuracy_vs_time.png")
 
     # training loss vs wall-clock (moving average: single steps are noisy)
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -140,15 +133,8 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
                   for j in range(len(pts))]
         if pts:
             ax.plot([p[0] for p in pts], smooth, label=s["label"], **_style(i, len(pts)))
-    ax.set_xlabel("training wall-clock (s, evaluation excluded)")
-    ax.set_ylabel("training loss (rank 0, mean of the last 5 steps)")
     ax.set_yscale("log")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "loss_vs_time.png", dpi=110)
-    plt.close(fig)
+    _finish_time_plot(fig, ax, "training loss (rank 0, mean of the last 5 steps)", title, out_dir / "loss_vs_time.png")
 
     # step breakdown: left bar = main thread (compute + wait), right bar = reducer work (select + comm)
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -238,3 +224,17 @@ def _max_rank(s: dict, key: str):
 
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _finish_time_plot(fig, ax, ylabel: str, title: str, path) -> None:
+    """Label, save and close a metric-vs-training-wall-clock plot (accuracy and loss share it)."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel("training wall-clock (s, evaluation excluded)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
