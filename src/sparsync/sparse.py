@@ -20,6 +20,7 @@ import torch
 __all__ = [
     "SparseVec",
     "Payload",
+    "IndexFlags",
     "index_dtype_for",
     "sparse_is_smaller",
     "add",
@@ -260,10 +261,12 @@ def as_dtype(x: Payload, dtype: torch.dtype) -> Payload:
     return x.to(dtype)
 
 
-def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
+def sum_in_rank_order(payloads, numel: int, dtype, device, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense sum of decoded payloads (SparseVec or dense tensors) in rank order: deterministic, so
-    the same bits on every rank; values of any float dtype are summed in ``dtype``."""
-    out = torch.zeros(int(numel), dtype=dtype, device=device)
+    the same bits on every rank; values of any float dtype are summed in ``dtype``. ``out``: a
+    zero-filled buffer of ``numel`` elements to sum into (a reducer's recycled output), else a new one."""
+    if out is None:
+        out = torch.zeros(int(numel), dtype=dtype, device=device)
     for p in payloads:
         if isinstance(p, SparseVec):
             out.index_add_(0, p.indices, p.values.to(dtype))
@@ -305,6 +308,29 @@ def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, devic
     dense = torch.zeros(numel, dtype=dtype, device=device)
     dense[uniq] = out
     return dense
+
+
+class IndexFlags:
+    """``torch.isin(idx, members)`` for indices in ``[0, numel)`` in O(len(idx) + len(members)).
+
+    A persistent all-False bool vector of ``numel`` flags: the members' flags are set, ``idx``'s
+    are read, the members' are cleared again - three sparse passes instead of ``isin``'s sort of
+    both lists (~20 ms per call at ``k = 1e5`` on this machine), and no pass over ``numel`` after
+    the first call (the vector is allocated once, zero-filled, and kept by the caller).
+    """
+
+    def __init__(self):
+        self._flags: torch.Tensor | None = None
+
+    def isin(self, idx: torch.Tensor, members: torch.Tensor, numel: int) -> torch.Tensor:
+        """Bool mask over ``idx``: True where the index is one of ``members``."""
+        f = self._flags
+        if f is None or f.numel() != numel or f.device != idx.device:
+            f = self._flags = torch.zeros(int(numel), dtype=torch.bool, device=idx.device)
+        f[members] = True
+        hit = f[idx]
+        f[members] = False
+        return hit
 
 
 # ---------------------------------------------------------------------- wire format

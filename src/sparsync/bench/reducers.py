@@ -92,24 +92,41 @@ def time_reducer(comm, name: str, numel: int, density: float = 0.01, steps: int 
     (outside the clock), so every call sees the same kind of input; otherwise it is kept between
     calls (the steady state training sees).
     """
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     reducer = make_reducer(name, comm, density=density, **options)
     source = _grad_source(grads, comm, int(numel), seed)
-    out: list[dict] = []
-    for step in range(warmup + steps):
-        g = source(step)
+    grad = None
+
+    def before(step):
+        nonlocal grad
+        grad = source(step)
         if reset_residual and reducer.residual is not None:
             reducer.residual.zero_()
+
+    def record(step, wall, _result):
+        rec = dict(reducer.stats)
+        rec.update(step=step, wall_s=wall, reducer=name)
+        return rec
+
+    return _timed_steps(comm, lambda: reducer.reduce(grad), steps, warmup, record, before)[0]
+
+
+def _timed_steps(comm, call, steps: int, warmup: int, record, before=None):
+    """The one timing loop of this module: ``warmup + steps`` calls of ``call()``, each after
+    ``before(step)`` (untimed) and a barrier (the ranks start together), timed on this rank with
+    the device synchronised; returns ``([record(i, wall_s, result) for the timed steps], last result)``."""
+    out, result = [], None
+    for step in range(warmup + steps):
+        if before is not None:
+            before(step)
         comm.barrier()
         t0 = time.perf_counter()
-        reducer.reduce(g)
+        result = call()
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
         wall = time.perf_counter() - t0
         if step >= warmup:
-            rec = dict(reducer.stats)
-            rec.update(step=step - warmup, wall_s=wall, reducer=name)
-            out.append(rec)
-    return out
+            out.append(record(step - warmup, wall, result))
+    return out, result
 
 
 def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None = None,
@@ -172,22 +189,23 @@ def time_collective(comm, algorithm: str, sv: SparseVec | None, steps: int = 5, 
     if steps < 1 or warmup < 0:
         raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     call = collective_fn(comm, algorithm, sv, numel=numel, **options)
-    records: list[dict] = []
-    result = None
-    for step in range(warmup + steps):
-        comm.barrier()
+    snap = None
+
+    def before(_step):
+        nonlocal snap
         snap = comm.ledger.snapshot()
-        t0 = time.perf_counter()
+
+    def phased():
         with comm.phase(algorithm):
-            result = call()
-        if comm.device.type == "cuda":
-            torch.cuda.synchronize(comm.device)
-        wall = time.perf_counter() - t0
-        if step >= warmup:
-            cost = comm.ledger.since(snap)
-            records.append({"step": step - warmup, "algorithm": algorithm, "total_s": wall, "wall_s": wall,
-                                "bytes_sent": cost["bytes_sent"], "bytes_received": cost["bytes_received"],
-                                "messages": cost["messages_sent"], "rounds": cost["rounds"]})
+            return call()
+
+    def record(step, wall, _result):
+        cost = comm.ledger.since(snap)
+        return {"step": step, "algorithm": algorithm, "total_s": wall, "wall_s": wall,
+                "bytes_sent": cost["bytes_sent"], "bytes_received": cost["bytes_received"],
+                "messages": cost["messages_sent"], "rounds": cost["rounds"]}
+
+    records, result = _timed_steps(comm, phased, steps, warmup, record, before)
     if check and records:
         records[-1]["digest"] = digest(result)
         records[-1]["out_nnz"] = int(result.nnz if isinstance(result, SparseVec)

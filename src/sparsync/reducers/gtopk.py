@@ -22,13 +22,19 @@ import torch
 from ..spardl.blocksel import topk_det
 from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
+from ..sparse import IndexFlags
 from .base import Reducer
+from .micro import BufferedAccumulator
 from .registry import register
 from .topkdsa import select_topk
 
 
 @register("gtopk")
-class GTopkReducer(Reducer):
+class GTopkReducer(BufferedAccumulator, Reducer):
+    #: the default instance (``residuals="partial"``) is not conserving; ``residuals="global"`` is
+    #: (set per instance in ``__init__``)
+    conserving = False
+
     def __init__(self, comm, density=0.01, residuals="partial", **rest):
         super().__init__(comm, density=density, **rest)
         P = comm.world_size
@@ -38,6 +44,7 @@ class GTopkReducer(Reducer):
             raise ValueError(f"gtopk residuals must be 'partial' or 'global', got {residuals!r}")
         self.residuals = residuals
         self._scratch: dict = {}
+        self._global_set = IndexFlags()
         self.conserving = residuals == "global"
 
     def _reduce(self, grad):
@@ -75,11 +82,11 @@ class GTopkReducer(Reducer):
             buf = comm.broadcast(buf, 0) if P > 1 else buf
         with self.timed("select"):
             fi, fv = unpack(buf, 1, k, grad.dtype)
-            out = torch.zeros(self.numel, dtype=grad.dtype, device=grad.device)
+            out = self.zeros_output(self.numel, grad.dtype, grad.device)  # recycled: no page faults
             out.index_add_(0, fi[0], fv[0])
             if self.residuals == "partial":
                 # own selected values that did not make it into the global set go back
-                back = ~torch.isin(own_idx, fi[0])
+                back = ~self._global_set.isin(own_idx, fi[0], self.numel)
                 acc[own_idx[back]] += own_vals[back]
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)

@@ -44,7 +44,9 @@ from __future__ import annotations
 import torch
 
 from ..spardl.wire import pack, pair_bytes, unpack
+from ..sparse import IndexFlags
 from .base import Reducer
+from .micro import BufferedAccumulator
 from .registry import register
 from .topkdsa import select_topk
 
@@ -53,7 +55,7 @@ _TH_BINS = 1024
 
 
 @register("oktopk")
-class OkTopkReducer(Reducer):
+class OkTopkReducer(BufferedAccumulator, Reducer):
     def __init__(self, comm, density=0.01, recompute_every=1, balance_every=64, **rest):
         super().__init__(comm, density=density, **rest)
         if int(recompute_every) < 1 or int(balance_every) < 1:
@@ -64,6 +66,7 @@ class OkTopkReducer(Reducer):
         self.th_global: float | None = None
         self.bounds: list[int] | None = None
         self._scratch: dict = {}
+        self._global_set = IndexFlags()
 
     def _reduce(self, grad):
         comm = self.comm
@@ -106,19 +109,9 @@ class OkTopkReducer(Reducer):
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
                 out[fi[0]] = fv[0]
                 fin.append(fi[0])
-            sent = idx[self._in_global_set(idx, torch.cat(fin), n)]
+            sent = idx[self._global_set.isin(idx, torch.cat(fin), n)]  # O(k), no sort
             self.keep_unsent(acc, sent)  # own values outside the global set stay (end-procedure)
         return out
-
-    def _in_global_set(self, idx: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
-        """``isin(idx, kept)`` in O(k) through a persistent all-False flag vector (no sort of k)."""
-        flags = self.__dict__.get("_flags")
-        if flags is None or flags.numel() != n or flags.device != idx.device:
-            flags = self._flags = torch.zeros(n, dtype=torch.bool, device=idx.device)
-        flags[kept] = True
-        hit = flags[idx]
-        flags[kept] = False  # all False again for the next step
-        return hit
 
     def _global_threshold(self, mags: torch.Tensor, k: int) -> float:
         """The ``k``-th largest reduced magnitude over all regions, to 12 bits, from two small all-reduces.

@@ -43,6 +43,7 @@ from ..spardl.residuals import RESIDUAL_MODES, WorkBuffer
 from ..spardl.srs import spar_reduce_scatter
 from ..spardl.teams import b_sag, r_sag
 from ..spardl.wire import pack, unpack
+from ..sparse import IndexFlags
 from .base import Reducer
 from .registry import register
 
@@ -107,6 +108,7 @@ class SparDLReducer(Reducer):
         self._controllers: dict[int, HController] = {}
         self._scratch: dict = {}  # reused selection buffers (|x|, mask), see select.exact.scratch_buffer
         self._bufs: list[torch.Tensor | None] = [None, None]  # two work buffers, alternating
+        self._final_set = IndexFlags()  # O(k) membership in the final index set (residuals)
 
     # ------------------------------------------------------------------ sizes
     def _sizes(self, d):
@@ -183,9 +185,9 @@ class SparDLReducer(Reducer):
             blocks = torch.arange(q, device=A.device)[:, None] * bs
             fpos = (torch.cat([p[0] for p in parts]) + blocks).view(-1)
             fval = torch.cat([p[1] for p in parts]).view(-1)
-            out = torch.zeros(q * bs, dtype=grad.dtype, device=grad.device)
+            out = self.zeros_output(q * bs, grad.dtype, grad.device)  # recycled: no page faults
             out.index_add_(0, fpos, fval)
-            res = work.finish(self.residuals, fpos)
+            res = work.finish(self.residuals, fpos, self._final_set)
             self.residual = res[:n]
         self.stats["selected"] = q * kb
         self.stats["teams"] = self.label(d, kind)
