@@ -72,7 +72,7 @@ class GTopkReducer(BufferedAccumulator, Reducer):
                         got = comm.recv(w + step, numel=k * pb, dtype=torch.uint8)
                     with self.timed("select"):
                         pi, pv = unpack(got, 1, k, grad.dtype)
-                        si, sv = coalesce(torch.cat([idx, pi[0]]), torch.cat([vals, pv[0]]))
+                        si, sv = coalesce(torch.cat([idx, pi[0]]), torch.cat([vals, pv[0]]), self.numel)
                         ki, kv, di, dv = topk_det(si, sv, k)
                         drops.append((di, dv))
                         idx, vals = pad_to(ki, kv, k)

@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..spardl.wire import pack, pair_bytes, unpack
-from ..sparse import IndexFlags
+from ..sparse import IndexFlags, coalesce_in_order
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -90,9 +90,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             pb = pair_bytes(acc.dtype)
             lists = [unpack(x, 1, x.numel() // pb, acc.dtype) for x in got]
-            ri, inv = torch.unique(torch.cat([li[0] for li, _ in lists]), return_inverse=True)
-            rv = torch.zeros(ri.numel(), dtype=acc.dtype, device=acc.device)
-            rv.index_add_(0, inv, torch.cat([v[0] for _, v in lists]))
+            ri, rv = coalesce_in_order([li[0] for li, _ in lists], [v[0] for _, v in lists], n)  # rank order
         if recompute:
             with comm.phase("oktopk:threshold"), self.timed("comm"):
                 self.th_global = self._global_threshold(rv.abs(), k)
