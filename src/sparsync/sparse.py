@@ -343,13 +343,17 @@ class IndexFlags:
 
     def isin(self, idx: torch.Tensor, members: torch.Tensor, numel: int) -> torch.Tensor:
         """Bool mask over ``idx``: True where the index is one of ``members``."""
+        return self.isin_many([idx], members, numel)[0]
+
+    def isin_many(self, idx_lists, members: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        """:meth:`isin` for several index lists against the same ``members`` (flags set once)."""
         f = self._flags
-        if f is None or f.numel() != numel or f.device != idx.device:
-            f = self._flags = torch.zeros(int(numel), dtype=torch.bool, device=idx.device)
+        if f is None or f.numel() != numel or f.device != members.device:
+            f = self._flags = torch.zeros(int(numel), dtype=torch.bool, device=members.device)
         f[members] = True
-        hit = f[idx]
+        hits = [f[idx] for idx in idx_lists]
         f[members] = False
-        return hit
+        return hits
 
 
 # ---------------------------------------------------------------------- wire format

@@ -59,8 +59,10 @@ class WorkBuffer:
         X = self.flat
         members = members or IndexFlags()
         if mode == "global":
-            for pos, old in reversed(self._saved):
-                out = ~members.isin(pos, final_pos, X.numel())
+            saved = self._saved[::-1]
+            hits = members.isin_many([pos for pos, _ in saved], final_pos, X.numel())
+            for (pos, old), hit in zip(saved, hits):
+                out = ~hit
                 X[pos[out]] = old[out]
             return X
         for pos, old in reversed(self._saved):
