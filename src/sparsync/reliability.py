@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import errno
 import glob
 import os
@@ -99,11 +100,14 @@ def _nonfinite_ddp():
 
     from .ddp import SparseDDP
 
-    def w(comm):
+    with torch.random.fork_rng(devices=[]):  # one seeded model for every rank; the caller's RNG restored
         torch.manual_seed(0)
-        m = nn.Linear(8, 2)
+        model = nn.Linear(8, 2)
+
+    def w(comm):
+        m = copy.deepcopy(model)
         d = SparseDDP(m, comm, reducer="micro", density=0.5)
-        x = torch.randn(4, 8)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(comm.rank))
         if comm.rank == 2:
             x[0, 0] = float("nan")
         d(x).sum().backward()

@@ -90,15 +90,6 @@ def load_model(spec: str, batch_size: int, input_shape: str | None = None, vocab
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise UsageError(f"--model {spec}: cannot load it ({type(e).__name__}: {e})") from None
-    torch.manual_seed(0)
-    made = obj if isinstance(obj, torch.nn.Module) else obj()
-    model, example = made if isinstance(made, tuple) else (made, None)
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"--model {spec}: expected an nn.Module or (nn.Module, example input), got "
-                         f"{type(model).__name__}")
-    if example is None:
-        example = _example_input(model, spec, batch_size, input_shape, vocab)
-
     def one():
         out = model(*example) if isinstance(example, (tuple, list)) else model(example)
         if isinstance(out, (tuple, list)):
@@ -107,12 +98,22 @@ def load_model(spec: str, batch_size: int, input_shape: str | None = None, vocab
             out = next(iter(out.values()))
         return out.float().pow(2).mean()  # any scalar: the profile needs backward's timing, not a loss
 
-    try:
-        with torch.no_grad():
-            one()  # materialises lazy modules (nn.LazyLinear ...) and checks the input fits
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise UsageError(f"--model {spec}: a forward pass on the example input failed "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check --input-shape") from None
+    # seeded init, example input and lazy materialisation; fork_rng gives the caller its RNG state back
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        made = obj if isinstance(obj, torch.nn.Module) else obj()
+        model, example = made if isinstance(made, tuple) else (made, None)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"--model {spec}: expected an nn.Module or (nn.Module, example input), got "
+                             f"{type(model).__name__}")
+        if example is None:
+            example = _example_input(model, spec, batch_size, input_shape, vocab)
+        try:
+            with torch.no_grad():
+                one()  # materialises lazy modules (nn.LazyLinear ...) and checks the input fits
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise UsageError(f"--model {spec}: a forward pass on the example input failed "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check --input-shape") from None
     return model, one
 
 
