@@ -198,6 +198,26 @@ def test_loopback_is_the_one_null_network(monkeypatch):
         assert C.network_label("1gbit", em) == "1gbit->loopback"
 
 
+@pytest.mark.gloo
+def test_signal_handlers_are_restored(needs_netns):
+    """The cluster and run_local replace SIGINT/SIGTERM handlers only while they run."""
+    def mine(signum, frame):
+        pass
+
+    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for s in prev:
+            signal.signal(s, mine)
+        with EmulatedCluster(2) as cl:
+            assert signal.getsignal(signal.SIGTERM) is C._on_signal  # deletes the namespaces, then chains
+            ss.run_local(_sum_ranks, 2, backend="gloo", placement=cl.placement, timeout=60)
+            assert signal.getsignal(signal.SIGTERM) is C._on_signal
+        assert all(signal.getsignal(s) is mine for s in prev)
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+
+
 def _sum_ranks(comm):
     return float(comm.allreduce(torch.tensor([comm.rank + 1.0]))[0]), os.environ["GLOO_SOCKET_IFNAME"]
 
