@@ -124,7 +124,7 @@ def parse_bandwidth(bw) -> int | None:
         val = parse_rate(bw)
     except ValueError as e:
         raise ValueError(f"bad bandwidth: {e}") from None
-    if not val >= 8000:
+    if not val >= 8000:  # 1 kB/s: lower is a unit mistake (the 64 KiB tbf bucket alone takes a minute)
         raise ValueError(f"bandwidth must be at least 8kbit, got {bw!r}")
     return int(val)
 
