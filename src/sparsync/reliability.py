@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from .tables import format_table
+
 CASES: list = []
 
 
@@ -489,9 +491,9 @@ def _replace(path: Path, marker: str, text: str) -> None:
 
 
 def table(rows) -> str:
-    out = ["| kind | case | outcome | what happened |", "|---|---|---|---|"]
-    out += [f"| {k} | {w} | **{o}** | {d} |" for k, w, o, d in rows]
-    return "\n".join(out)
+    return format_table([{"kind": k, "case": w, "outcome": f"**{o}**", "what": d} for k, w, o, d in rows],
+                        [("kind", "kind"), ("case", "case"), ("outcome", "outcome"), ("what", "what happened")],
+                        markdown=True)
 
 
 def main(argv=None) -> int:
