@@ -98,7 +98,7 @@ def _reducers(args) -> int:
                                  args.bandwidth, steps=args.steps, warmup=args.warmup,
                                  seed=args.seed, timeout=args.timeout, fallback_loopback=args.fallback_loopback,
                                  progress=not args.quiet, pattern=args.pattern, residuals=args.residual,
-                                 baselines=args.baselines)
+                                 baselines=args.baselines or ())
     except ValueError as e:
         raise UsageError(str(e)) from None
     except ClusterUnavailable as e:
@@ -156,7 +156,7 @@ def register(subparsers) -> None:
     r.add_argument("--residual", type=NAMES, default="keep",
                    help="comma list of 'keep' (residual carried between calls, steady state) and 'reset' "
                         "(residual zeroed before every call); one table block per mode (default keep)")
-    r.add_argument("--baselines", type=NAMES, default=[],
+    r.add_argument("--baselines", type=NAMES, default=None,
                    help="comma list of rows timed in the same run before the reducers: 'allreduce' (the bare "
                         "gloo all_reduce; then the 'vs dense' column is relative to it) and/or "
                         "'plain_allgather' (issue 11's plain all-gather + index_add_ of the exact top-k)")

@@ -9,6 +9,13 @@ so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units
 :meth:`GTopkReducer.table_cost`); per rank the ledger shows half of that at most: rank 0 receives
 ``log2 P * k`` pairs in the reduction (:meth:`GTopkReducer.predicted_cost`, exact).
 
+Passes over the ``n`` entries per call (the rest is ``O(k log P)``): ``acc = grad + residual`` into a
+recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
+kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
+The global-set test of ``residuals="partial"`` goes through a persistent flag vector
+(:class:`~sparsync.sparse.IndexFlags`), the merges through one stable sort of ``2k`` entries
+(:func:`sparsync.sparse.coalesce_in_order`).
+
 Residuals: ``residuals="partial"`` (default, the gTop-k paper's rule): local residual plus the locally
 selected values whose index is not in the global top-k set (end-procedure); values dropped at a merge
 at an index that survives elsewhere are lost, so it is not conserving. ``residuals="global"``: the

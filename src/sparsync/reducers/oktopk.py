@@ -32,6 +32,11 @@ global selection (end-procedure, "put back"). Here this is conserving: an index 
 globally with the full sum of every rank's contribution (regions are disjoint, nothing is re-selected
 inside a region) or dropped entirely, and then every contributor gets its own value back.
 
+Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
+recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
+kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
+the global-set test goes through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`).
+
 Cost (data phases): ``alltoallv`` ``P-1`` rounds + ring ``allgatherv`` ``P-1`` rounds (Table I:
 ``2(P + log P)``); bytes about ``4(P-1)/P k`` units, within Table I's ``[2(P-1)/P k, 6(P-1)/P k]``.
 Sizes are data dependent: headers are paid (``alltoallv`` counts, ``allgatherv`` counts).

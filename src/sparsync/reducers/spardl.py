@@ -12,6 +12,15 @@ One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d
    blocks in the same order into a dense output -> bitwise identical on all ranks.
 5. Residuals (§8): ``global`` (GRES, default, conserving), ``partial`` (PRES), ``local`` (LRES).
 
+Passes over the ``n`` entries per call (everything else is ``O(k)``): ``A = grad + residual`` into
+one of two recycled work buffers, one read by the exact per-block top-k kernel (every block is
+selected once, when it is sent; the preserved block at the end), one zero fill of the recycled output
+(:meth:`~sparsync.reducers.base.Reducer.zeros_output`). The residual schemes restore only the
+touched entries (:class:`~sparsync.spardl.residuals.WorkBuffer`) and test membership in the final
+index set through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`), not by sorting.
+Before these changes a call also page-faulted a fresh ``n``-element output and sorted the index lists
+in ``isin`` (profile in ``docs/benchmarks.md``, "2026-11-22 evening").
+
 Message sizes are all known in advance (``kb``/``L`` pairs per block, ``h`` per B-SAG item), so no size
 header travels. Per rank, with ``c = 4 + value_bytes`` bytes per pair (int32 block-local indices)::
 
