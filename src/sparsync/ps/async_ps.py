@@ -19,8 +19,11 @@ of the index space (:func:`~sparsync.ps.sync.shard_bounds`) and runs :class:`~sp
    re-based to the shard + values, or dense when not smaller) — non-blocking, no acknowledgement.
 
 A worker never waits for another worker except through rule 1, i.e. only when it is ``s`` steps ahead
-of the slowest one. ``FINISH`` tells a server that a worker pushes no more; a server returns once every
-worker finished and every step is applied. Every receive has a timeout naming the peer and the step.
+of the slowest one. ``FINISH`` tells a server that a worker pushes no more (steps from its clock on are
+applied without it); it is answered with the final shard once every worker finished, and then the
+server returns. Every receive has a timeout naming the peer and the step; a worker waits twice as long
+for a reply as the server waits for any worker, so a stuck worker is reported by the server, by name
+and step.
 
 Messages per worker step and server: 2 headers + 1 payload out, 1 header + 1 payload in (48 + 16 bytes
 of headers). The server's link carries every worker's pushes and pulls: with one server it is the
@@ -39,6 +42,7 @@ from .transport import GlooTransport
 __all__ = ["PSClient", "check_async_servers", "serve", "transport_for"]
 
 PUSH, PULL, FINISH = 1, 2, 3
+DONE = -1  # "required version" of a FINISH: answered with the final shard once every worker finished
 HDR = 5  # int64 header: kind, step, version, count-or-required, payload bytes
 TAG_HDR, TAG_DATA, TAG_REPLY, TAG_REPLY_DATA = 1, 2, 3, 4
 
@@ -90,11 +94,12 @@ def serve(tr: GlooTransport, numel: int, servers: int, staleness: int, lr: float
             waiting.append((q, step, a, c))
         elif kind == FINISH:
             st.finish(q)
+            waiting.append((q, step, a, DONE))
         else:
             raise ValueError(f"server {me}: unknown message kind {kind} from rank {src}")
         still = []
         for q, step, have, required in waiting:
-            if st.ready(required):
+            if st.done if required == DONE else st.ready(required):
                 payload = encode(st.delta(have), width)
                 tr.isend(q + servers, _header(st.version, payload.numel())[:2], TAG_REPLY)
                 tr.isend(q + servers, payload, TAG_REPLY_DATA)
@@ -123,10 +128,16 @@ class PSClient:
         required = max(0, c - self.s) if required is None else int(required)
         for k in range(self.servers):
             self.tr.isend(k, _header(PULL, c, self.have[k], required), TAG_HDR)
+        return self._receive_model(required)
+
+    def _receive_model(self, required: int) -> list[int]:
+        c = self.clock
         for k in range(self.servers):
             lo, hi = self.bounds[k], self.bounds[k + 1]
-            what = f"worker {self.q}: reply of server {k} to the pull of step {c} (needs version {required})"
-            v, nbytes = self.tr.recv(k, 2, torch.int64, TAG_REPLY, what).tolist()
+            what = (f"worker {self.q}: reply of server {k} to the pull of step {c} (needs version {required})"
+                    if required != DONE else f"worker {self.q}: final model from server {k} (after step {c})")
+            # a reply may wait for the slowest worker; the server times out first and names it
+            v, nbytes = self.tr.recv(k, 2, torch.int64, TAG_REPLY, what, 2 * self.tr.timeout).tolist()
             d = decode(self.tr.recv(k, nbytes, torch.uint8, TAG_REPLY_DATA, what), hi - lo, self.w.dtype)
             if isinstance(d, SparseVec):
                 self.w[lo + d.indices] = d.values
@@ -143,7 +154,11 @@ class PSClient:
             self.tr.isend(k, payload, TAG_DATA)
         self.clock += 1
 
-    def finish(self) -> None:
+    def finish(self) -> torch.Tensor:
+        """No more pushes from this worker; waits for every worker to finish and returns the final
+        model (every pushed step applied: the same bits on every worker)."""
         for k in range(self.servers):
-            self.tr.isend(k, _header(FINISH, self.clock), TAG_HDR)
+            self.tr.isend(k, _header(FINISH, self.clock, self.have[k]), TAG_HDR)
+        self._receive_model(DONE)
         self.tr.flush(f"worker {self.q}: delivering its last pushes")
+        return self.w

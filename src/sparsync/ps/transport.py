@@ -43,13 +43,14 @@ class GlooTransport:
     def _peer(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def _wait(self, work, what: str) -> None:
+    def _wait(self, work, what: str, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
         try:
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
         except RuntimeError as e:
             if "imed out" not in str(e):
                 raise
-            raise PSTimeout(f"rank {self.rank}: {what}: no message after {self.timeout:g} s "
+            raise PSTimeout(f"rank {self.rank}: {what}: no message after {timeout:g} s "
                             "(peer stopped, crashed or is stuck)") from None
 
     def isend(self, dst: int, t: torch.Tensor, tag: int) -> None:
@@ -59,10 +60,11 @@ class GlooTransport:
         self._sends.append((dist.isend(t, self._peer(dst), group=self.group, tag=TAG_BASE + tag), t))
         self.bytes_sent += t.numel() * t.element_size()
 
-    def recv(self, src: int, numel: int, dtype, tag: int, what: str) -> torch.Tensor:
+    def recv(self, src: int, numel: int, dtype, tag: int, what: str, timeout: float | None = None) -> torch.Tensor:
+        """Receive ``numel`` items from ``src``; ``timeout`` (default: the transport's) in seconds."""
         buf = torch.empty(int(numel), dtype=dtype)
         if numel:
-            self._wait(dist.irecv(buf, self._peer(src), group=self.group, tag=TAG_BASE + tag), what)
+            self._wait(dist.irecv(buf, self._peer(src), group=self.group, tag=TAG_BASE + tag), what, timeout)
             self.bytes_received += buf.numel() * buf.element_size()
         return buf
 
