@@ -15,8 +15,9 @@ of the index space (:func:`~sparsync.ps.sync.shard_bounds`) and runs :class:`~sp
    ``v >= c - s`` with ``[v, nbytes]`` and the shard's coordinates written after version ``have`` (the
    stream format of :mod:`sparsync.sparse`), so the worker holds exactly the shard at version ``v``;
 2. compute the gradient on its slice of the step's global batch;
-3. **push**: to every server, a header ``[PUSH, c, v, count]`` and its part of the gradient (indices
-   re-based to the shard + values, or dense when not smaller) — non-blocking, no acknowledgement.
+3. **push**: to every server, a header ``[PUSH, c, v, count, nbytes, c + 1 - s]`` and its part of the
+   gradient (indices re-based to the shard + values, or dense when not smaller) — non-blocking; the
+   header's last field is step ``c + 1``'s pull request (step 1 of the next step without a message).
 
 A worker never waits for another worker except through rule 1, i.e. only when it is ``s`` steps ahead
 of the slowest one. ``FINISH`` tells a server that a worker pushes no more (steps from its clock on are
@@ -25,8 +26,9 @@ server returns. Every receive has a timeout naming the peer and the step; a work
 for a reply as the server waits for any worker, so a stuck worker is reported by the server, by name
 and step.
 
-Messages per worker step and server: 2 headers + 1 payload out, 1 header + 1 payload in (48 + 16 bytes
-of headers). The server's link carries every worker's pushes and pulls: with one server it is the
+Messages per worker step and server: 1 header + 1 payload out, 1 header + 1 payload in (48 + 16 bytes
+of headers; a pull that needs a newer version than the one piggybacked, as at an epoch's end, adds one
+header). The server's link carries every worker's pushes and pulls: with one server it is the
 bottleneck, as in the synchronous PS (:mod:`sparsync.ps.sync`).
 """
 
@@ -43,7 +45,8 @@ __all__ = ["PSClient", "check_async_servers", "serve", "transport_for"]
 
 PUSH, PULL, FINISH = 1, 2, 3
 DONE = -1  # "required version" of a FINISH: answered with the final shard once every worker finished
-HDR = 5  # int64 header: kind, step, version, count-or-required, payload bytes
+NO_PULL = -2  # a PUSH that asks for no model in return
+HDR = 6  # int64 header: kind, step, version held, count-or-required, payload bytes, pull requested by a PUSH
 TAG_HDR, TAG_DATA, TAG_REPLY, TAG_REPLY_DATA = 1, 2, 3, 4
 
 
@@ -85,11 +88,13 @@ def serve(tr: GlooTransport, numel: int, servers: int, staleness: int, lr: float
         src, h = tr.recv_any(HDR, torch.int64, TAG_HDR,
                              f"server {me} (version {st.version}) waiting for any worker; slowest: "
                              + ", ".join(f"worker {q} at step {st.clock[q]}" for q in slow))
-        kind, step, a, c, nbytes = h.tolist()
+        kind, step, a, c, nbytes, then = h.tolist()
         q = src - servers
         if kind == PUSH:
             buf = tr.recv(src, nbytes, torch.uint8, TAG_DATA, f"server {me}: push of worker {q} step {step}")
             st.push(q, step, a, c, decode(buf, width, dtype))
+            if then != NO_PULL:
+                waiting.append((q, step + 1, a, then))
         elif kind == PULL:
             waiting.append((q, step, a, c))
         elif kind == FINISH:
@@ -120,19 +125,29 @@ class PSClient:
         self.w = torch.zeros(int(numel), dtype=dtype)
         self.have = [0] * servers  # version of each shard held
         self.clock = 0             # steps pushed
+        self._asked: int | None = None  # version requested along with the last push, reply not read yet
 
     def pull(self, required: int | None = None) -> list[int]:
         """Bring every shard to a version ``>= required`` (default ``clock - s``: the staleness rule;
-        ``clock`` itself: every step pushed so far applied). Returns the versions now held."""
-        c = self.clock
-        required = max(0, c - self.s) if required is None else int(required)
-        for k in range(self.servers):
-            self.tr.isend(k, _header(PULL, c, self.have[k], required), TAG_HDR)
-        return self._receive_model(required)
+        ``clock`` itself: every step pushed so far applied). Returns the versions now held.
 
-    def _receive_model(self, required: int) -> list[int]:
+        The pull the last :meth:`push` asked for is read first; a PULL goes only to the servers whose
+        shard is still older than ``required``."""
+        self._read_asked()
+        required = max(0, self.clock - self.s) if required is None else int(required)
+        behind = [k for k in range(self.servers) if self.have[k] < required]
+        for k in behind:
+            self.tr.isend(k, _header(PULL, self.clock, self.have[k], required), TAG_HDR)
+        return self._receive_model(required, behind)
+
+    def _read_asked(self) -> None:
+        if self._asked is not None:
+            asked, self._asked = self._asked, None
+            self._receive_model(asked, range(self.servers))
+
+    def _receive_model(self, required: int, servers) -> list[int]:
         c = self.clock
-        for k in range(self.servers):
+        for k in servers:
             lo, hi = self.bounds[k], self.bounds[k + 1]
             what = (f"worker {self.q}: reply of server {k} to the pull of step {c} (needs version {required})"
                     if required != DONE else f"worker {self.q}: final model from server {k} (after step {c})")
@@ -146,19 +161,24 @@ class PSClient:
             self.have[k] = v
         return list(self.have)
 
-    def push(self, grad: SparseVec, count: int) -> None:
-        """Send step ``clock``'s gradient (the sum over ``count`` samples) to the shard owners."""
+    def push(self, grad: SparseVec, count: int, then_pull: bool = True) -> None:
+        """Send step ``clock``'s gradient (the sum over ``count`` samples) to the shard owners; with
+        ``then_pull`` the same header asks for the next step's model (one message less per step)."""
+        self._read_asked()
+        nxt = max(0, self.clock + 1 - self.s) if then_pull else NO_PULL
         for k, part in enumerate(cut_shards(grad, self.bounds)):
             payload = encode(part, part.numel)
-            self.tr.isend(k, _header(PUSH, self.clock, self.have[k], count, payload.numel()), TAG_HDR)
+            self.tr.isend(k, _header(PUSH, self.clock, self.have[k], count, payload.numel(), nxt), TAG_HDR)
             self.tr.isend(k, payload, TAG_DATA)
         self.clock += 1
+        self._asked = nxt if then_pull else None
 
     def finish(self) -> torch.Tensor:
         """No more pushes from this worker; waits for every worker to finish and returns the final
         model (every pushed step applied: the same bits on every worker)."""
+        self._read_asked()
         for k in range(self.servers):
             self.tr.isend(k, _header(FINISH, self.clock, self.have[k]), TAG_HDR)
-        self._receive_model(DONE)
+        self._receive_model(DONE, range(self.servers))
         self.tr.flush(f"worker {self.q}: delivering its last pushes")
         return self.w
