@@ -181,6 +181,43 @@ def test_without_root_clear_error_or_loopback_fallback(monkeypatch):
         run_emulated(_sum_ranks, 2, bandwidth="1gbit", timeout=60)
 
 
+@pytest.mark.gloo
+def test_loopback_is_the_one_null_network(monkeypatch):
+    """``"loopback"`` gives the null network (no namespaces, no root needed), with the cluster's
+    interface; a rate gives an EmulatedCluster; the label says when a fallback ran on loopback."""
+    monkeypatch.setattr(C, "netns_unavailable_reason", lambda: "the emulated cluster needs root (fake)")
+    net = C.open_network("loopback", 2)
+    assert isinstance(net, C.Loopback) and not net.emulated and net.bandwidth is None
+    with net as cl:
+        assert cl.placement(1) == {"GLOO_SOCKET_IFNAME": "lo"} and "loopback" in repr(cl)
+        assert ss.run_local(_sum_ranks, 2, backend="gloo", placement=cl.placement, timeout=60) == [(3.0, "lo")] * 2
+    assert C.network_label("loopback", net) == "loopback"
+    em = C.open_network("1gbit", 2, fallback_loopback=True)
+    assert isinstance(em, EmulatedCluster) and em.bandwidth == 10**9
+    with pytest.warns(RuntimeWarning, match="LOOPBACK"), em:
+        assert C.network_label("1gbit", em) == "1gbit->loopback"
+
+
+@pytest.mark.gloo
+def test_signal_handlers_are_restored(needs_netns):
+    """The cluster and run_local replace SIGINT/SIGTERM handlers only while they run."""
+    def mine(signum, frame):
+        pass
+
+    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for s in prev:
+            signal.signal(s, mine)
+        with EmulatedCluster(2) as cl:
+            assert signal.getsignal(signal.SIGTERM) is C._on_signal  # deletes the namespaces, then chains
+            ss.run_local(_sum_ranks, 2, backend="gloo", placement=cl.placement, timeout=60)
+            assert signal.getsignal(signal.SIGTERM) is C._on_signal
+        assert all(signal.getsignal(s) is mine for s in prev)
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+
+
 def _sum_ranks(comm):
     return float(comm.allreduce(torch.tensor([comm.rank + 1.0]))[0]), os.environ["GLOO_SOCKET_IFNAME"]
 

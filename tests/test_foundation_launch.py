@@ -36,6 +36,24 @@ def test_exception_on_one_rank_fails_fast_and_names_it(backend):
     assert time.monotonic() - t < 20, "must not wait for the collective timeout"
 
 
+class _Unpicklable(RuntimeError):
+    def __reduce__(self):
+        raise TypeError("holds a lock")
+
+
+def _raise_unpicklable(comm):
+    if comm.rank == 1:
+        raise _Unpicklable("bad state")
+    comm.barrier()
+
+
+@pytest.mark.gloo
+def test_unpicklable_exception_arrives_as_text_with_the_reason():
+    with pytest.raises(RankFailed, match=r"rank 1.*_Unpicklable: bad state \(the exception itself could not be "
+                                         r"pickled: TypeError: holds a lock\)"):
+        ss.run_local(_raise_unpicklable, 2, backend="gloo", timeout=30)
+
+
 def _die(comm):
     if comm.rank == 1:
         os._exit(3)

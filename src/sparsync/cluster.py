@@ -70,12 +70,15 @@ __all__ = [
     "PREFIX",
     "ClusterUnavailable",
     "EmulatedCluster",
+    "Loopback",
     "cleanup_stale",
     "stale_rank_processes",
     "stale_stores",
     "format_bandwidth",
     "list_namespaces",
     "netns_unavailable_reason",
+    "network_label",
+    "open_network",
     "parse_bandwidth",
     "run_emulated",
 ]
@@ -89,9 +92,17 @@ _LOCK_DIR = "/run/sparsync"  # root-only, not the world-writable /tmp (no plante
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)s(\d+)(r\d+|br)$")
 _RANK_PROC_RE = re.compile(r"^ss(\d+)r(\d+)$")  # launch.rank_process_name
 _STORE_RE = re.compile(r"^sparsync-store-(\d+)-")  # launch.STORE_PREFIX + launcher pid
-_CLONE_NEWNET = 0x40000000
-_CAP_NET_ADMIN = 12
+_CLONE_NEWNET = 0x40000000  # <linux/sched.h>: setns() into a network namespace
+_CAP_NET_ADMIN = 12  # <linux/capability.h> bit numbers, read from /proc/self/status CapEff
 _CAP_SYS_ADMIN = 21
+_MAX_RANKS = 253  # host addresses .1 .. .253 of the /24 (rank r is .r+1); .254 spare, .255 broadcast
+# tbf parameters (module docstring): the bucket holds one TSO/GSO super-packet (64 KiB) plus one
+# Ethernet frame (1514 bytes with header) - smaller, tbf segments or drops them - and at least
+# _BURST_S of traffic; the queue holds _QUEUE_S of traffic (~95% of line rate for TCP, no bloat).
+_TSO_MAX = 65536
+_ETH_FRAME = 1514
+_BURST_S = 1e-3
+_QUEUE_S = 20e-3
 
 _counter = itertools.count()
 
@@ -113,7 +124,7 @@ def parse_bandwidth(bw) -> int | None:
         val = parse_rate(bw)
     except ValueError as e:
         raise ValueError(f"bad bandwidth: {e}") from None
-    if not val >= 8000:
+    if not val >= 8000:  # 1 kB/s: lower is a unit mistake (the 64 KiB tbf bucket alone takes a minute)
         raise ValueError(f"bandwidth must be at least 8kbit, got {bw!r}")
     return int(val)
 
@@ -366,8 +377,8 @@ class EmulatedCluster:
 
     def __init__(self, world_size: int, bandwidth=None, fallback_loopback: bool = False,
                  burst_bytes: int | None = None, limit_bytes: int | None = None):
-        if not isinstance(world_size, int) or not 1 <= world_size <= 253:
-            raise ValueError(f"world_size must be an integer in [1, 253], got {world_size!r}")
+        if not isinstance(world_size, int) or not 1 <= world_size <= _MAX_RANKS:
+            raise ValueError(f"world_size must be an integer in [1, {_MAX_RANKS}], got {world_size!r}")
         self.world_size = world_size
         self.bandwidth = parse_bandwidth(bandwidth)
         self.fallback_loopback = bool(fallback_loopback)
@@ -474,8 +485,8 @@ class EmulatedCluster:
 
     def _tbf_params(self) -> tuple[int, int]:
         rate_Bps = self.bandwidth / 8
-        burst = self.burst_bytes or max(65536 + 1514, int(rate_Bps * 1e-3))
-        limit = self.limit_bytes or max(4 * burst, int(rate_Bps * 20e-3))
+        burst = self.burst_bytes or max(_TSO_MAX + _ETH_FRAME, int(rate_Bps * _BURST_S))
+        limit = self.limit_bytes or max(4 * burst, int(rate_Bps * _QUEUE_S))
         return burst, limit
 
     def _build(self) -> None:
@@ -513,6 +524,48 @@ class EmulatedCluster:
                     _run(["tc", "-n", where, "qdisc", "replace", "dev", dev, "root", "tbf",
                           "rate", f"{self.bandwidth}bit", "burst", str(burst), "limit", str(limit)],
                          f"limiting rank {r}'s link to {format_bandwidth(self.bandwidth)} (is sch_tbf available?)")
+
+
+class Loopback:
+    """The null network: :class:`EmulatedCluster`'s interface (a context manager with ``placement``,
+    ``emulated``, ``bandwidth``, ``world_size``) over ``lo``, nothing built and no rate limit.
+
+    What ``"loopback"`` means everywhere a network is named (benchmarks, ``sparsync cluster smoke``),
+    so callers need no branch of their own.
+    """
+
+    emulated = False
+    bandwidth = None
+
+    def __init__(self, world_size: int):
+        self.world_size = int(world_size)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def placement(self, rank: int) -> dict:
+        return {"GLOO_SOCKET_IFNAME": "lo"}
+
+    def __repr__(self) -> str:
+        return f"loopback ({self.world_size} ranks, no bandwidth limit)"
+
+
+def open_network(network: str, world_size: int, fallback_loopback: bool = False) -> Loopback | EmulatedCluster:
+    """The network named ``network`` as a context manager giving ``.placement`` for ``run_local``:
+    :class:`Loopback` for ``"loopback"``, else an :class:`EmulatedCluster` at that rate (``"none"``:
+    emulated links without a limit)."""
+    if network == "loopback":
+        return Loopback(world_size)
+    return EmulatedCluster(world_size, bandwidth=network, fallback_loopback=fallback_loopback)
+
+
+def network_label(network: str, net) -> str:
+    """How results name the network: ``network``, or ``"<network>->loopback"`` when an emulated network
+    was asked for and ``fallback_loopback`` ran on loopback instead."""
+    return network if (network == "loopback" or net.emulated) else f"{network}->loopback"
 
 
 def run_emulated(fn: Callable, world_size: int, *args, bandwidth="1gbit", fallback_loopback: bool = False,

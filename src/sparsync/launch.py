@@ -308,8 +308,9 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
         try:
             pickle.dumps(e)
             exc = e
-        except Exception:
-            exc = RankFailed(f"{type(e).__name__}: {e}")
+        except Exception as why:  # noqa: BLE001 - an exception's __reduce__ may raise anything; ship its text
+            exc = RankFailed(f"{type(e).__name__}: {e} (the exception itself could not be pickled: "
+                             f"{type(why).__name__}: {why})")
         payload = ("error", (exc, tb))
     try:
         buf = io.BytesIO()

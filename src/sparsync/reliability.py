@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import errno
 import glob
 import os
@@ -32,6 +33,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .tables import format_table
 
 CASES: list = []
 
@@ -99,11 +102,14 @@ def _nonfinite_ddp():
 
     from .ddp import SparseDDP
 
-    def w(comm):
+    with torch.random.fork_rng(devices=[]):  # one seeded model for every rank; the caller's RNG restored
         torch.manual_seed(0)
-        m = nn.Linear(8, 2)
+        model = nn.Linear(8, 2)
+
+    def w(comm):
+        m = copy.deepcopy(model)
         d = SparseDDP(m, comm, reducer="micro", density=0.5)
-        x = torch.randn(4, 8)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(comm.rank))
         if comm.rank == 2:
             x[0, 0] = float("nan")
         d(x).sum().backward()
@@ -485,9 +491,9 @@ def _replace(path: Path, marker: str, text: str) -> None:
 
 
 def table(rows) -> str:
-    out = ["| kind | case | outcome | what happened |", "|---|---|---|---|"]
-    out += [f"| {k} | {w} | **{o}** | {d} |" for k, w, o, d in rows]
-    return "\n".join(out)
+    return format_table([{"kind": k, "case": w, "outcome": f"**{o}**", "what": d} for k, w, o, d in rows],
+                        [("kind", "kind"), ("case", "case"), ("outcome", "outcome"), ("what", "what happened")],
+                        markdown=True)
 
 
 def main(argv=None) -> int:

@@ -40,7 +40,7 @@ class ThreadWorld:
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.timeout = float(timeout)
-        self.poll = 0.02
+        self.poll = 0.02  # s between abort checks of a waiting rank: fails fast, ~50 idle wake-ups/s
         self._channels: dict[tuple[int, int], queue.SimpleQueue] = {}
         self._lock = threading.Lock()
         self._cond = threading.Condition()

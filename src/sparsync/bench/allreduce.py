@@ -29,7 +29,7 @@ from ..sparse import SparseVec
 from .patterns import ALTERNATING, make_sparse
 from .reducers import BASELINES, collective_fn, digest, summarize
 
-__all__ = ["allreduce_worker", "expand_algorithms", "network_context", "run_allreduce_bench"]
+__all__ = ["allreduce_worker", "expand_algorithms", "run_allreduce_bench"]
 
 
 def expand_algorithms(names: Sequence[str] | str) -> list[str]:
@@ -138,27 +138,6 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
     return records
 
 
-class _LoopbackNet:
-    emulated = False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    placement = None
-
-
-def network_context(network: str, world_size: int, fallback_loopback: bool = False):
-    """Context manager giving ``.placement`` for ``run_local``: loopback or an EmulatedCluster."""
-    if network == "loopback":
-        return _LoopbackNet()
-    from ..cluster import EmulatedCluster
-
-    return EmulatedCluster(world_size, bandwidth=network, fallback_loopback=fallback_loopback)
-
-
 def run_allreduce_bench(world_sizes, numels, densities, patterns, algorithms, networks=("loopback",),
                         repeats=5, warmup=1, seed=0, check=True, timeout=600.0, fallback_loopback=False,
                         progress=True) -> list[dict]:
@@ -169,6 +148,7 @@ def run_allreduce_bench(world_sizes, numels, densities, patterns, algorithms, ne
     ``bytes_received``, ``rounds``, ``messages`` (max over ranks), ``correct`` (None if unchecked),
     ``max_err``, ``error``, ``times_s`` (per-step maxima).
     """
+    from ..cluster import network_label, open_network
     from ..launch import run_local
 
     algorithms = expand_algorithms(algorithms)
@@ -180,8 +160,8 @@ def run_allreduce_bench(world_sizes, numels, densities, patterns, algorithms, ne
             if progress:
                 print(f"[{network}] {P} ranks: {len(configs)} configs x {len(algorithms)} algorithms, "
                       f"{repeats} repeats ...", file=sys.stderr, flush=True)
-            with network_context(network, P, fallback_loopback) as net:
-                label = network if (network == "loopback" or net.emulated) else f"{network}->loopback"
+            with open_network(network, P, fallback_loopback) as net:
+                label = network_label(network, net)
                 per_rank = run_local(allreduce_worker, P, configs, algorithms, repeats, warmup, seed, check,
                                      label, progress, backend="gloo", timeout=timeout,
                                      placement=net.placement)

@@ -283,8 +283,8 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
     bad = [m for m in residuals if m not in RESIDUAL_MODES]
     if bad or not residuals:
         raise ValueError(f"residual modes must be among {', '.join(RESIDUAL_MODES)}, got {list(residuals)}")
+    from ..cluster import network_label, open_network
     from ..launch import run_local
-    from .allreduce import network_context
 
     reducers = expand_reducers(reducers)
     rows = []
@@ -293,8 +293,8 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
             if progress:
                 print(f"[{network}] {P} ranks: {len(reducers)} reducers, {steps} steps ...", file=sys.stderr,
                       flush=True)
-            with network_context(network, P, fallback_loopback) as net:
-                label = network if (network == "loopback" or net.emulated) else f"{network}->loopback"
+            with open_network(network, P, fallback_loopback) as net:
+                label = network_label(network, net)
                 per_rank = run_local(_reducers_worker, P, reducers, int(numel), float(density), steps, warmup,
                                      seed, options or {}, label, progress, pattern, tuple(residuals),
                                      backend="gloo", timeout=timeout, placement=net.placement)

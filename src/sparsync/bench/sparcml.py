@@ -19,7 +19,8 @@ import argparse
 import sys
 import time
 
-from .allreduce import _summarize_run, allreduce_worker, network_context
+from ..cluster import network_label, open_network
+from .allreduce import _summarize_run, allreduce_worker
 
 DEFAULT_ALGOS = ["dense", "torch_sparse", "ssar_rec_dbl", "ssar_split_allgather", "dsar_split_allgather", "auto"]
 
@@ -51,8 +52,8 @@ def run(world_sizes=(2, 4, 8), numel=1 << 24, densities=(0.001, 0.01, 0.1),
     rows = []
     for P in world_sizes:
         t0 = time.perf_counter()
-        with network_context(network, P) as net:
-            label = network if (network == "loopback" or net.emulated) else f"{network}->loopback"
+        with open_network(network, P) as net:
+            label = network_label(network, net)
             per_rank = run_local(sparcml_worker, P, configs, list(algorithms), repeats, warmup, seed, label,
                                  backend="gloo", timeout=timeout, placement=net.placement)
         got = _summarize_run(per_rank, configs, list(algorithms), label, P)

@@ -62,78 +62,96 @@ def _main(args) -> int:
 
     torch.set_num_threads(1)
     parts = set(args.parts)
-    bad = parts - {"exact", "selection", "trace", "comm"}
+    bad = parts - set(_PARTS)
     if bad:
-        raise UsageError(f"--parts: unknown {', '.join(sorted(bad))}; valid: exact, selection, trace, comm")
-    if "exact" in parts:
-        print(f"\n### Exact top-k vs torch.topk ({args.device}, 1 thread; alternated, median of {args.repeat}; ms)\n")
-        print(_row(["n", "density", "k", "torch.topk (+ sort of k)", "exact kernel", "speed-up", "same set"]))
-        print(_row(["---"] * 7))
-        for n in args.sizes:
-            for d in args.densities:
-                r = bs.compare_exact_topk(n, d, repeat=args.repeat, device=args.device)
-                print(_row([f"{n:.3g}", d, r["k"], f"{r['topk_s'] * 1e3:.1f}", f"{r['exact_s'] * 1e3:.1f}",
-                            f"{r['speedup']:.1f}x", r["same_set"]]))
-                sys.stdout.flush()
-    if "selection" in parts:
-        print(f"\n### Selection cost ({args.device}, 1 thread; median of {args.repeat}; ms)\n")
-        print(_row(["n", "density", "exact top-k", "threshold naive", "threshold (chunked)",
-                    f"MiCRO partition (1/{args.partitions})"]))
-        print(_row(["---"] * 6))
-        for n in args.sizes:
-            for d in args.densities:
-                try:
-                    rows = bs.time_selection(n, d, P=args.partitions, repeat=args.repeat, device=args.device)
-                except RuntimeError as e:  # out of memory at 1e8 and the like
-                    print(_row([f"{n:.0e}", d, f"failed: {e}"[:60], "", "", ""]))
-                    continue
-                t = {r["selector"]: r["time_s"] * 1e3 for r in rows}
-                print(_row([f"{n:.0e}", d] + [f"{t[s]:.2f}" for s in bs.SELECTORS]))
-                sys.stdout.flush()
-    if "trace" in parts:
-        from ..launch import run_local
-
-        steps = args.trace_steps
-        if steps < 2:
-            raise UsageError("--trace-steps must be >= 2")
-        variants = [("micro (histogram, default)", "micro", {}),
-                    ("micro rule=adaptive", "micro", {"rule": "adaptive"}),
-                    ("micro rule=micro (authors)", "micro", {"rule": "micro"}),
-                    ("micro rule=micro (authors), from the first k-th value", "micro",
-                     {"rule": "micro", "threshold": "first_kth"}),
-                    ("hard_threshold", "hard_threshold", {})]
-        res = run_local(lambda c: bs.density_trace(c, reducers=variants, steps=steps, density=args.density), 4)
-        tr = res[0]
-        d = args.density
-        print(f"\n### Achieved density, digits MLP ({tr['numel']} parameters), 4 ranks, lr * grad, target {d}\n")
-        skip = min(50, steps // 2)
-        print(_row(["reducer", "within 10% from step", f"steps {skip}+: min", "median", "max",
-                    f"share of steps {skip}+ within 10%"]))
-        print(_row(["---"] * 6))
-        for label, _, _ in variants:
-            m = tr[label]["density"]
-            first = next((i for i in range(len(m)) if all(abs(x / d - 1) <= 0.1 for x in m[i:])), "never")
-            tail = m[skip:]
-            share = sum(abs(x / d - 1) <= 0.1 for x in tail) / len(tail)
-            print(_row([label, first, f"{min(tail):.5f}", f"{sorted(tail)[len(tail) // 2]:.5f}",
-                        f"{max(tail):.5f}", f"{share:.0%}"]))
-        if args.plot:
-            bs.plot_density({label: tr[label] for label, _, _ in variants}, d, args.plot,
-                            title=f"digits MLP, {tr['numel']} params, 4 ranks, target {d}")
-            print(f"\nplot: {args.plot}")
-    if "comm" in parts:
-        bw = None if args.bandwidth == "loopback" else args.bandwidth
-        n = args.numel
-        names = args.reducers
-        print(f"\n### Reducers, n = {n:.0e}, density {args.density}, {args.bandwidth}; median of max over ranks (ms)\n")
-        print(_row(["P", "reducer", "total", "select", "comm", "achieved density", "MB received / rank"]))
-        print(_row(["---"] * 7))
-        for P in args.workers:
-            rows = bs.comm_benchmark(P, n, args.density, reducers=names, steps=args.steps, warmup=args.warmup,
-                                     bandwidth=bw)
-            for r in rows:
-                print(_row([P, r["reducer"], f"{r['total_s'] * 1e3:.1f}", f"{r.get('select_s', 0) * 1e3:.1f}",
-                            f"{r.get('comm_s', 0) * 1e3:.1f}", f"{r.get('density', float('nan')):.4f}",
-                            f"{r.get('bytes_received', 0) / 1e6:.2f}"]))
-                sys.stdout.flush()
+        raise UsageError(f"--parts: unknown {', '.join(sorted(bad))}; valid: {', '.join(_PARTS)}")
+    for name, part in _PARTS.items():
+        if name in parts:
+            part(args, bs)
     return 0
+
+
+def _exact(args, bs) -> None:
+    """Exact top-k kernel vs torch.topk, per size and density."""
+    print(f"\n### Exact top-k vs torch.topk ({args.device}, 1 thread; alternated, median of {args.repeat}; ms)\n")
+    print(_row(["n", "density", "k", "torch.topk (+ sort of k)", "exact kernel", "speed-up", "same set"]))
+    print(_row(["---"] * 7))
+    for n in args.sizes:
+        for d in args.densities:
+            r = bs.compare_exact_topk(n, d, repeat=args.repeat, device=args.device)
+            print(_row([f"{n:.3g}", d, r["k"], f"{r['topk_s'] * 1e3:.1f}", f"{r['exact_s'] * 1e3:.1f}",
+                        f"{r['speedup']:.1f}x", r["same_set"]]))
+            sys.stdout.flush()
+
+
+def _selection(args, bs) -> None:
+    """Selection cost of each selector (single process)."""
+    print(f"\n### Selection cost ({args.device}, 1 thread; median of {args.repeat}; ms)\n")
+    print(_row(["n", "density", "exact top-k", "threshold naive", "threshold (chunked)",
+                f"MiCRO partition (1/{args.partitions})"]))
+    print(_row(["---"] * 6))
+    for n in args.sizes:
+        for d in args.densities:
+            try:
+                rows = bs.time_selection(n, d, P=args.partitions, repeat=args.repeat, device=args.device)
+            except RuntimeError as e:  # out of memory at 1e8 and the like
+                print(_row([f"{n:.0e}", d, f"failed: {e}"[:60], "", "", ""]))
+                continue
+            t = {r["selector"]: r["time_s"] * 1e3 for r in rows}
+            print(_row([f"{n:.0e}", d] + [f"{t[s]:.2f}" for s in bs.SELECTORS]))
+            sys.stdout.flush()
+
+
+def _trace(args, bs) -> None:
+    """Achieved density per step of the threshold rules on a real workload (4 thread ranks)."""
+    from ..launch import run_local
+
+    steps = args.trace_steps
+    if steps < 2:
+        raise UsageError("--trace-steps must be >= 2")
+    variants = [("micro (histogram, default)", "micro", {}),
+                ("micro rule=adaptive", "micro", {"rule": "adaptive"}),
+                ("micro rule=micro (authors)", "micro", {"rule": "micro"}),
+                ("micro rule=micro (authors), from the first k-th value", "micro",
+                 {"rule": "micro", "threshold": "first_kth"}),
+                ("hard_threshold", "hard_threshold", {})]
+    res = run_local(lambda c: bs.density_trace(c, reducers=variants, steps=steps, density=args.density), 4)
+    tr = res[0]
+    d = args.density
+    print(f"\n### Achieved density, digits MLP ({tr['numel']} parameters), 4 ranks, lr * grad, target {d}\n")
+    skip = min(50, steps // 2)
+    print(_row(["reducer", "within 10% from step", f"steps {skip}+: min", "median", "max",
+                f"share of steps {skip}+ within 10%"]))
+    print(_row(["---"] * 6))
+    for label, _, _ in variants:
+        m = tr[label]["density"]
+        first = next((i for i in range(len(m)) if all(abs(x / d - 1) <= 0.1 for x in m[i:])), "never")
+        tail = m[skip:]
+        share = sum(abs(x / d - 1) <= 0.1 for x in tail) / len(tail)
+        print(_row([label, first, f"{min(tail):.5f}", f"{sorted(tail)[len(tail) // 2]:.5f}",
+                    f"{max(tail):.5f}", f"{share:.0%}"]))
+    if args.plot:
+        bs.plot_density({label: tr[label] for label, _, _ in variants}, d, args.plot,
+                        title=f"digits MLP, {tr['numel']} params, 4 ranks, target {d}")
+        print(f"\nplot: {args.plot}")
+
+
+def _comm(args, bs) -> None:
+    """Reducers end to end on gloo ranks: total, select and comm time, density, bytes."""
+    bw = None if args.bandwidth == "loopback" else args.bandwidth
+    n = args.numel
+    names = args.reducers
+    print(f"\n### Reducers, n = {n:.0e}, density {args.density}, {args.bandwidth}; median of max over ranks (ms)\n")
+    print(_row(["P", "reducer", "total", "select", "comm", "achieved density", "MB received / rank"]))
+    print(_row(["---"] * 7))
+    for P in args.workers:
+        rows = bs.comm_benchmark(P, n, args.density, reducers=names, steps=args.steps, warmup=args.warmup,
+                                 bandwidth=bw)
+        for r in rows:
+            print(_row([P, r["reducer"], f"{r['total_s'] * 1e3:.1f}", f"{r.get('select_s', 0) * 1e3:.1f}",
+                        f"{r.get('comm_s', 0) * 1e3:.1f}", f"{r.get('density', float('nan')):.4f}",
+                        f"{r.get('bytes_received', 0) / 1e6:.2f}"]))
+            sys.stdout.flush()
+
+
+_PARTS = {"exact": _exact, "selection": _selection, "trace": _trace, "comm": _comm}  # in print order

@@ -34,16 +34,13 @@ def _smoke_worker(comm, numel, repeats):
 def _smoke(args) -> int:
     import statistics
 
-    from ..cluster import ClusterUnavailable, EmulatedCluster, format_bandwidth
+    from ..cluster import ClusterUnavailable, format_bandwidth, open_network
     from ..launch import run_local
 
     P, n = args.workers, int(float(args.numel))
-    loopback = args.bandwidth == "loopback"
     t0 = time.perf_counter()
     try:
-        cm = _Loopback(P) if loopback else EmulatedCluster(P, bandwidth=args.bandwidth,
-                                                           fallback_loopback=args.fallback_loopback)
-        with cm as cl:
+        with open_network(args.bandwidth, P, args.fallback_loopback) as cl:
             setup = time.perf_counter() - t0
             print(f"{cl}  (set up in {setup * 1e3:.0f} ms)")
             if cl.emulated:
@@ -67,25 +64,6 @@ def _smoke(args) -> int:
             print(f"model at {format_bandwidth(cl.bandwidth)}: {model * 1e3:.1f} ms "
                   f"-> measured/model = {t / model:.2f}")
     return 0 if ok else 1
-
-
-class _Loopback:
-    """Stand-in with the cluster's interface for ``--bandwidth loopback``."""
-
-    def __init__(self, P):
-        self.world_size, self.bandwidth, self.emulated = P, None, False
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def placement(self, rank):
-        return {"GLOO_SOCKET_IFNAME": "lo"}
-
-    def __repr__(self):
-        return f"loopback ({self.world_size} ranks, no bandwidth limit)"
 
 
 def _cleanup(args) -> int:

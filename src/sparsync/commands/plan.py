@@ -90,15 +90,6 @@ def load_model(spec: str, batch_size: int, input_shape: str | None = None, vocab
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
         raise UsageError(f"--model {spec}: cannot load it ({type(e).__name__}: {e})") from None
-    torch.manual_seed(0)
-    made = obj if isinstance(obj, torch.nn.Module) else obj()
-    model, example = made if isinstance(made, tuple) else (made, None)
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"--model {spec}: expected an nn.Module or (nn.Module, example input), got "
-                         f"{type(model).__name__}")
-    if example is None:
-        example = _example_input(model, spec, batch_size, input_shape, vocab)
-
     def one():
         out = model(*example) if isinstance(example, (tuple, list)) else model(example)
         if isinstance(out, (tuple, list)):
@@ -107,12 +98,22 @@ def load_model(spec: str, batch_size: int, input_shape: str | None = None, vocab
             out = next(iter(out.values()))
         return out.float().pow(2).mean()  # any scalar: the profile needs backward's timing, not a loss
 
-    try:
-        with torch.no_grad():
-            one()  # materialises lazy modules (nn.LazyLinear ...) and checks the input fits
-    except (RuntimeError, TypeError, ValueError) as e:
-        raise UsageError(f"--model {spec}: a forward pass on the example input failed "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check --input-shape") from None
+    # seeded init, example input and lazy materialisation; fork_rng gives the caller its RNG state back
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        made = obj if isinstance(obj, torch.nn.Module) else obj()
+        model, example = made if isinstance(made, tuple) else (made, None)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"--model {spec}: expected an nn.Module or (nn.Module, example input), got "
+                             f"{type(model).__name__}")
+        if example is None:
+            example = _example_input(model, spec, batch_size, input_shape, vocab)
+        try:
+            with torch.no_grad():
+                one()  # materialises lazy modules (nn.LazyLinear ...) and checks the input fits
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise UsageError(f"--model {spec}: a forward pass on the example input failed "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); check --input-shape") from None
     return model, one
 
 
@@ -187,14 +188,51 @@ def _run(args) -> int:
     import torch
 
     from ..bench.engine import MODELS
-    from ..reducers.registry import load_all
-    from ..schedule.costmodel import CostModel
-    from ..schedule.merge import evaluate, make_plan, parse_strategy
     from ..schedule.profiler import profile_module
 
     if args.list:
         print("\n".join(sorted(MODELS)))
         return 0
+    reducers = _check_args(args)
+    torch.set_num_threads(1)
+    model, one = load_model(args.model, args.batch_size, args.input_shape, args.input_vocab)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise UsageError(f"--model {args.model}: no trainable parameters")
+    prof, t_f = profile_module(model, one, steps=args.steps, warmup=3)
+    sizes = [params[i][1].numel() * params[i][1].element_size() for i in prof.order]
+    numel = sum(p.numel() for _, p in params)
+    ranking = _rank(args, reducers, prof.t_b, sizes, numel, t_f)
+    network = f"measured on {args.workers} ranks over {args.measure}" if args.measure else \
+        f"{args.workers} workers, {args.bandwidth}, {args.latency * 1e6:g} us per message"
+    focus = next((x for x in ranking if x["reducer"] == args.reducer), ranking[0])
+    chosen = focus["rows"][args.merge]["groups"]
+    named_groups = [[params[prof.order[k]][0] for k in range(i, j)] for i, j in chosen]
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "workers": args.workers, "network": network, "forward_s": t_f,
+            "tensors": len(params), "bytes": sum(sizes), "numel": numel,
+            "ranking": [{"reducer": x["reducer"], "density": x["density"], "best_merge": x["best_merge"],
+                         "iteration_s": x["rows"][x["best_merge"]]["iteration_s"],
+                         "non_overlapped_s": x["rows"][x["best_merge"]]["non_overlapped_s"],
+                         "bytes_received": x["bytes_received"], "cost_model": x["cost_model"].to_dict(),
+                         "strategies": _strategies_json(x["rows"])} for x in ranking],
+            "cost_model": focus["cost_model"].to_dict(), "strategies": _strategies_json(focus["rows"]),
+            "merge": args.merge, "reducer": focus["reducer"], "groups": named_groups}, indent=1))
+        return 0
+    print(f"model {args.model}: {len(params)} tensors, {numel:,} parameters, {sum(sizes) / 2**20:.2f} MiB of "
+          f"gradients; forward {t_f * 1e3:.2f} ms, backward {sum(prof.t_b) * 1e3:.2f} ms (profiled here, median of "
+          f"{args.steps})")
+    print(f"network: {network}")
+    _print_text(args, ranking, focus, sizes, named_groups)
+    return 0
+
+
+def _check_args(args) -> list[str]:
+    """The reducers to rank, after checking every option that would otherwise fail late."""
+    from ..reducers.registry import load_all
+    from ..schedule.merge import parse_strategy
+
     reducers = args.reducers or [args.reducer]
     known = load_all()
     bad = [r for r in reducers if r not in known]
@@ -208,14 +246,14 @@ def _run(args) -> int:
         raise UsageError("give both --a and --b, or neither")
     if args.a is not None and args.measure:
         raise UsageError("--a/--b and --measure both give the cost model; pick one")
-    torch.set_num_threads(1)
-    model, one = load_model(args.model, args.batch_size, args.input_shape, args.input_vocab)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise UsageError(f"--model {args.model}: no trainable parameters")
-    prof, t_f = profile_module(model, one, steps=args.steps, warmup=3)
-    sizes = [params[i][1].numel() * params[i][1].element_size() for i in prof.order]
-    numel = sum(p.numel() for _, p in params)
+    return reducers
+
+
+def _rank(args, reducers, t_b, sizes, numel, t_f) -> list[dict]:
+    """Per reducer: its cost model, every merge strategy's predicted step, the best one; fastest first."""
+    from ..schedule.costmodel import CostModel
+    from ..schedule.merge import evaluate, make_plan
+
     strategies = ["wfbp", "single", f"buckets:{args.buckets_mb:g}", "mgwfbp", "optimal"]
     if args.merge not in strategies:
         strategies.append(args.merge)
@@ -235,38 +273,23 @@ def _run(args) -> int:
         cm = cms[r]
         rows = {}
         for s in strategies:
-            groups = make_plan(s, prof.t_b, sizes, cm.a, cm.b)
-            ev = evaluate(groups, prof.t_b, sizes, cm.a, cm.b, t_f)
+            groups = make_plan(s, t_b, sizes, cm.a, cm.b)
+            ev = evaluate(groups, t_b, sizes, cm.a, cm.b, t_f)
             rows[s] = {"groups": groups, **{k: ev[k] for k in ("iteration_s", "non_overlapped_s", "backward_s")}}
         best = min(rows, key=lambda s: rows[s]["iteration_s"])
         ranking.append({"reducer": r, "density": dens(r), "best_merge": best, "rows": rows, "cost_model": cm,
                         "bytes_received": _bytes_per_step(r, args.workers, numel, dens(r))})
     ranking.sort(key=lambda x: x["rows"][x["best_merge"]]["iteration_s"])
-    network = f"measured on {args.workers} ranks over {args.measure}" if args.measure else \
-        f"{args.workers} workers, {args.bandwidth}, {args.latency * 1e6:g} us per message"
-    focus = next((x for x in ranking if x["reducer"] == args.reducer), ranking[0])
-    chosen = focus["rows"][args.merge]["groups"]
-    named_groups = [[params[prof.order[k]][0] for k in range(i, j)] for i, j in chosen]
-    def strat(rows):
-        return {s: {k: v for k, v in r.items() if k != "groups"} | {"n_groups": len(r["groups"])}
-                for s, r in rows.items()}
+    return ranking
 
-    if args.json:
-        print(json.dumps({
-            "model": args.model, "workers": args.workers, "network": network, "forward_s": t_f,
-            "tensors": len(params), "bytes": sum(sizes), "numel": numel,
-            "ranking": [{"reducer": x["reducer"], "density": x["density"], "best_merge": x["best_merge"],
-                         "iteration_s": x["rows"][x["best_merge"]]["iteration_s"],
-                         "non_overlapped_s": x["rows"][x["best_merge"]]["non_overlapped_s"],
-                         "bytes_received": x["bytes_received"], "cost_model": x["cost_model"].to_dict(),
-                         "strategies": strat(x["rows"])} for x in ranking],
-            "cost_model": focus["cost_model"].to_dict(), "strategies": strat(focus["rows"]),
-            "merge": args.merge, "reducer": focus["reducer"], "groups": named_groups}, indent=1))
-        return 0
-    print(f"model {args.model}: {len(params)} tensors, {numel:,} parameters, {sum(sizes) / 2**20:.2f} MiB of "
-          f"gradients; forward {t_f * 1e3:.2f} ms, backward {sum(prof.t_b) * 1e3:.2f} ms (profiled here, median of "
-          f"{args.steps})")
-    print(f"network: {network}")
+
+def _strategies_json(rows) -> dict:
+    return {s: {k: v for k, v in r.items() if k != "groups"} | {"n_groups": len(r["groups"])}
+            for s, r in rows.items()}
+
+
+def _print_text(args, ranking, focus, sizes, named_groups) -> None:
+    """The reducer ranking (several reducers), the focus reducer's strategies and its chosen groups."""
     if len(ranking) > 1:
         print()
         print(f"{'reducer':<16}{'density':>8}{'best plan':>13}{'step (ms)':>11}{'not hidden (ms)':>17}"
@@ -285,9 +308,9 @@ def _run(args) -> int:
     for s, r in focus["rows"].items():
         print(f"{s:<14}{len(r['groups']):>8}{r['iteration_s'] * 1e3:>17.2f}{r['non_overlapped_s'] * 1e3:>27.2f}")
     print()
+    chosen = focus["rows"][args.merge]["groups"]
     print(f"groups of {args.merge} for {focus['reducer']} (communication order = gradient-ready order):")
     for g, names in enumerate(named_groups):
         nb = sum(sizes[k] for k in range(chosen[g][0], chosen[g][1]))
         shown = names if len(names) <= 4 else names[:2] + [f"... {len(names) - 3} more ..."] + names[-1:]
         print(f"  {g:>3}: {len(names):>3} tensors {nb / 1024:>10.1f} KiB  {', '.join(shown)}")
-    return 0

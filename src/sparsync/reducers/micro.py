@@ -308,6 +308,29 @@ class MicroReducer(BufferedAccumulator, Reducer):
             return None
         return min(size, max(1, math.ceil(self.cap_factor * self.controller.target / self.comm.world_size)))
 
+    def _gather_indices(self, idx: torch.Tensor, known: list[int] | None) -> list[torch.Tensor]:
+        """Every rank's selected indices in rank order, on the narrowest index dtype: ``allgatherv``,
+        or, when the calibration told every rank all counts (``known``), one all-gather padded to the
+        largest count (no count round)."""
+        comm = self.comm
+        wire = idx.to(index_dtype_for(self.numel))
+        with comm.phase(self.name + ".indices"):
+            if known is None:
+                return comm.allgatherv(wire)
+            m = max(known)
+            if not m:
+                return [wire[:0] for _ in known]
+            padded = wire if wire.numel() == m else torch.cat([wire, wire.new_zeros(m - wire.numel())])
+            return [x[:c] for x, c in zip(self._allgather_fixed(padded), known)]
+
+    def _next_spread(self, j: int) -> None:
+        """Histogram rule: square the window's spread (up to ``max_spread``) when the chosen edge ``j``
+        is an end of the window (the target may lie outside it), else move it back towards ``spread``."""
+        if j in (0, self.bins):
+            self.spread_now = min(self.max_spread, self.spread_now ** 2)
+        else:
+            self.spread_now = max(self.spread, math.sqrt(self.spread_now))
+
     def _reduce(self, grad):
         if self._bounds is None or self.controller is None:
             self._setup()
@@ -344,17 +367,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if self.force_nonempty and idx.numel() == 0 and end > start:
             idx = torch.tensor([start + step % (end - start)], dtype=torch.int64, device=acc.device)
         with self.timed("comm"):
-            wire = idx.to(index_dtype_for(self.numel))
-            with self.timed("comm_indices"), comm.phase(self.name + ".indices"):
-                if known is None:
-                    lists = comm.allgatherv(wire)
-                else:  # sizes known everywhere: one padded all-gather, no count round
-                    m = max(known)
-                    if m:
-                        padded = wire if wire.numel() == m else torch.cat([wire, wire.new_zeros(m - wire.numel())])
-                        lists = [x[:c] for x, c in zip(self._allgather_fixed(padded), known)]
-                    else:
-                        lists = [wire[:0] for _ in known]
+            with self.timed("comm_indices"):
+                lists = self._gather_indices(idx, known)
             counts = [x.numel() for x in lists]
             # partition order = globally sorted union, the same on every rank
             union = torch.cat([lists[partition_owner(p, step, P)] for p in range(P)]).to(torch.int64)
@@ -378,12 +392,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
             out = IndexedSum(union, vals, self.numel)
             self.residual = acc
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
-            self.controller.delta = delta
-            next_delta = delta
-            if j in (0, self.bins):
-                self.spread_now = min(self.max_spread, self.spread_now ** 2)
-            else:
-                self.spread_now = max(self.spread, math.sqrt(self.spread_now))
+            self.controller.delta = next_delta = delta
+            self._next_spread(j)
         else:
             # The controller sees the transmitted K even when a rank hit its budget: a structurally
             # dense partition must not push the global threshold up (that would starve the others).

@@ -38,7 +38,7 @@ class HController:
         self.h_min = min(self.L, max(1, math.ceil(self.k / self.P)))
         self.max_step = max(MIN_STEP, float(self.L - self.h_min))
         self.h = self.k / self.P
-        self.step = 0.01 * self.k * (self.d - 1) / self.P
+        self.step = 0.01 * self.k * (self.d - 1) / self.P  # Alg. 2 line 1 (spec §7.2): 1 % of the range L - k/P
         self.flag = False
 
     @property

@@ -250,7 +250,9 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         raise ValueError(f"config asks for {cfg.workers} workers but the group has {P}")
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
-    with _INIT_LOCK:  # thread ranks share torch's global RNG: same initial parameters on every rank
+    # thread ranks share torch's global RNG: same initial parameters on every rank; fork_rng gives the
+    # caller its RNG state back (module init draws from the global RNG, no Generator argument)
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = wl.build()
     numel = sum(p.numel() for p in model.parameters())
