@@ -41,6 +41,9 @@ def register(subparsers) -> None:
                         "(0 = synchronous; default 0)")
     p.add_argument("--ps-timeout", type=float, default=60.0,
                    help="--algorithm ps-async: seconds any parameter-server receive may wait (default 60)")
+    p.add_argument("--straggler-ms", type=float, default=0.0,
+                   help="emulate a heterogeneous cluster: at every step one worker, drawn at random (seeded), "
+                        "sleeps this many ms after computing its gradient (default 0)")
     p.add_argument("--backend", choices=("thread", "gloo"), default="gloo",
                    help="ranks as threads or gloo processes (default gloo; --bandwidth implies gloo)")
     p.add_argument("--bandwidth", type=NETWORK, default=None,
@@ -99,6 +102,8 @@ def run(args) -> int:
     if args.algorithm != "dense" and args.algorithm not in algos:
         raise UsageError(f"unknown --algorithm {args.algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
     _check_ps(args)
+    if args.straggler_ms < 0:
+        raise UsageError(f"--straggler-ms must be >= 0, got {args.straggler_ms}")
     if not 0 <= args.test_fraction < 1:
         raise UsageError("--test-fraction must be in [0, 1)")
     if args.bandwidth:
@@ -127,7 +132,7 @@ def run(args) -> int:
     print(f"model {args.model}, P = {args.workers}, global batch {gb}, lr {args.lr}, "
           f"algorithm {args.algorithm}, network {net}")
     kw = {"model": args.model, "epochs": args.epochs, "global_batch": gb, "lr": args.lr, "l2": args.l2,
-              "algorithm": args.algorithm, "seed": args.seed}
+              "algorithm": args.algorithm, "seed": args.seed, "straggler_ms": args.straggler_ms}
     if args.algorithm in ("ps", "ps-async"):
         kw["servers"] = args.servers
     if args.algorithm == "ps-async":

@@ -22,7 +22,7 @@ import time
 import torch
 
 from ..ps import PSClient, check_async_servers, check_staleness, serve, transport_for
-from .batching import batches, worker_slice
+from .batching import batches, straggle, worker_slice
 from .models import batch_gradient, evaluate
 
 __all__ = ["train_ps_async"]
@@ -36,7 +36,7 @@ def _metrics(model, ds, w):
 
 
 def train_ps_async(comm, train_ds, model, epochs, global_batch, lr, l2, seed, test_ds, dtype, log,
-                   servers: int = 1, staleness: int = 0, ps_timeout: float = 60.0) -> dict:
+                   servers: int = 1, staleness: int = 0, ps_timeout: float = 60.0, straggler_ms: float = 0.0) -> dict:
     """One rank's part: a server returns ``{"w": its shard, "history": [], "pushes": log, "version"}``,
     a worker ``{"w": the final model, "history": [per-epoch records]}`` (identical ``w`` on every worker)."""
     S = check_async_servers(servers, comm.world_size)
@@ -53,12 +53,13 @@ def train_ps_async(comm, train_ds, model, epochs, global_batch, lr, l2, seed, te
         compute_s = comm_s = 0.0
         lags = []
         recv0 = tr.bytes_received
-        for batch in batches(train_ds.n_samples, global_batch, seed, epoch):
+        for i, batch in enumerate(batches(train_ds.n_samples, global_batch, seed, epoch)):
             t0 = time.perf_counter()
             versions = client.pull()
             t1 = time.perf_counter()
             lo, hi = worker_slice(batch.numel(), q, W)
             g = batch_gradient(model, train_ds, batch[lo:hi], client.w)
+            straggle(straggler_ms, seed, epoch, i, q, W)
             t2 = time.perf_counter()
             client.push(g, hi - lo)
             t3 = time.perf_counter()

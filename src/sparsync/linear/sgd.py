@@ -25,7 +25,7 @@ import torch
 
 from ..collectives.registry import load_all
 from ..ps import apply_update, ps_allreduce
-from .batching import batches, worker_slice
+from .batching import batches, straggle, worker_slice
 from .data import SparseDataset
 from .models import MODELS, batch_gradient, evaluate
 from .ps_async import train_ps_async
@@ -47,8 +47,9 @@ def _metrics(comm, model, ds, w):
 
 def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5, global_batch: int = 1000,
           lr: float = 0.5, l2: float = 0.0, algorithm: str = "auto", seed: int = 0, test_ds=None,
-          dtype=torch.float32, log=None, **algo_options) -> dict:
-    """Train on ``comm``'s ranks; returns ``{"w", "history"}`` (identical ``w`` on every rank)."""
+          dtype=torch.float32, log=None, straggler_ms: float = 0.0, **algo_options) -> dict:
+    """Train on ``comm``'s ranks; returns ``{"w", "history"}`` (identical ``w`` on every rank).
+    ``straggler_ms``: one random worker per step sleeps that long (:func:`.batching.straggle`)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     algos = dict(load_all())
@@ -61,7 +62,7 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
         raise ValueError(f"epochs must be >= 1, got {epochs}")
     if algorithm == "ps-async":
         return train_ps_async(comm, train_ds, model, epochs, global_batch, lr, l2, seed, test_ds, dtype, log,
-                              **algo_options)
+                              straggler_ms=straggler_ms, **algo_options)
     N = train_ds.n_features
     w = torch.zeros(N, dtype=dtype)
     history = []
@@ -69,11 +70,12 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
         compute_s = comm_s = 0.0
         picked: dict[str, int] = {}
         snap = comm.ledger.snapshot()
-        for batch in batches(train_ds.n_samples, global_batch, seed, epoch):
+        for i, batch in enumerate(batches(train_ds.n_samples, global_batch, seed, epoch)):
             t0 = time.perf_counter()
             b = batch.numel()
             lo, hi = worker_slice(b, comm.rank, comm.world_size)
             g = batch_gradient(model, train_ds, batch[lo:hi], w)
+            straggle(straggler_ms, seed, epoch, i, comm.rank, comm.world_size)
             t1 = time.perf_counter()
             if algorithm == "dense":
                 total = comm.allreduce(g.to_dense())

@@ -35,6 +35,7 @@ bottleneck, as in the synchronous PS (:mod:`sparsync.ps.sync`).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..sparse import SparseVec, decode, encode
 from .shard import ShardState, check_staleness
@@ -60,8 +61,6 @@ def check_async_servers(servers, world_size: int) -> int:
 
 def transport_for(comm, timeout: float) -> GlooTransport:
     """The point-to-point transport on ``comm``'s process group (a ``torch.distributed`` Comm only)."""
-    import torch.distributed as dist
-
     group = getattr(comm, "group", None)
     if not dist.is_initialized() or dist.get_world_size(group) != comm.world_size:
         raise ValueError("the asynchronous parameter server runs on torch.distributed point-to-point: "
