@@ -4,6 +4,8 @@ all-reduce into a given buffer, and the backend sparse all-reduce capability."""
 import pytest
 import torch
 
+from sparsync.reducers.micro import MicroReducer
+
 import sparsync as ss
 from sparsync.bench.patterns import make_sparse
 from sparsync.sparse import SparseVec, add, sparse_is_smaller, sum_streams
@@ -128,7 +130,8 @@ def test_value_dtype_errors():
 
 
 def _value_allreduce_steps(comm, name, value_dtype):
-    r = ss.make_reducer(name, comm, density=0.01, value_dtype=value_dtype)
+    opts = {"values": "allreduce"} if name == "micro" else {}  # micro's ring all-reduce of the values
+    r = ss.make_reducer(name, comm, density=0.01, value_dtype=value_dtype, **opts)
     g = torch.Generator().manual_seed(comm.rank)
     rows = []
     for _ in range(3):
@@ -203,3 +206,32 @@ def test_dense_reducer_leaves_input_or_reduces_in_place():
     for g, out1, out2, same in ss.run_local(fn, 3):
         assert torch.equal(out1, torch.full((6,), 6.0)) and torch.equal(out2, out1)  # input untouched twice
         assert same and torch.equal(g, torch.full((6,), 6.0))  # donated buffer holds the sum
+
+
+@pytest.mark.parametrize("value_dtype,wdt", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_micro_owner_sum_keeps_half_values_conserving(value_dtype, wdt, P):
+    """micro's default value path (owner sums in fp32): with fp16/bf16 on the wire only each rank's
+    contribution is rounded, and that rounding stays in its residual - conserving, bitwise."""
+    n, steps = 4001, 3
+    res = ss.run_local(_half_steps, P, "micro", value_dtype, n, steps)
+    comm = ss.threadcomm.ThreadWorld(1).comms()[0]
+    assert ss.make_reducer("micro", comm, value_dtype=value_dtype).conserving
+    assert not ss.make_reducer("micro", comm, value_dtype=value_dtype, values="allreduce").conserving
+    for s in range(steps):
+        sent = []
+        for r in range(P):
+            acc, resid, out, stats = res[r][s]
+            d = acc - resid
+            nz = d != 0
+            assert torch.equal(d[nz].to(wdt).float(), d[nz])  # every sent value is a half-precision number
+            sent.append(d)
+        ref = torch.zeros(n)  # the fp32 rank-order sum of what was sent, on every rank
+        for d in sent:
+            ref += d
+        for r in range(P):
+            assert torch.equal(res[r][s][2], ref), (r, s)
+            st = res[r][s][3]
+            counts = [res[q][s][3]["local_selected"] for q in range(P)]
+            pred = MicroReducer.predicted_cost(P, n, round(0.01 * n), counts=counts, value_bytes=2, rank=r)
+            assert st["bytes_received"] == pred["bytes_received"]

@@ -97,10 +97,11 @@ def test_gtopk_exact_bytes_per_rank():
 
 
 # ---------------------------------------------------------------------- MiCRO ledger, independent
-def _micro_first_step(comm, n, delta):
+def _micro_first_step(comm, n, delta, values):
     g = torch.Generator().manual_seed(comm.rank)
     grad = torch.randn(n, generator=g)
-    r = ss.make_reducer("micro", comm, density=0.02, rule="micro", threshold=delta, cap_factor=None)
+    r = ss.make_reducer("micro", comm, density=0.02, rule="micro", threshold=delta, cap_factor=None,
+                        values=values)
     comm.ledger.reset()
     r.reduce(grad.clone())
     return grad, comm.ledger.bytes_received, comm.ledger.rounds
@@ -109,17 +110,23 @@ def _micro_first_step(comm, n, delta):
 def test_micro_ledger_from_the_data():
     """Step 0: rank ``r`` scans partition ``r`` (sizes ``ceil``/``floor`` of ``n/P``) and sends the entries
     with ``|g| >= delta``; the ring all-gather of int32 indices receives ``(P-1) * max count * 4``
-    bytes, the ring all-reduce of the ``K`` float32 values ``2(P-1) K 4 // P``."""
+    bytes; the values: ``values="allreduce"`` - the ring all-reduce of the ``K`` float32 values,
+    ``2(P-1) K 4 // P``; ``values="owner"`` - rank ``r`` receives the ``P-1`` contributions at its own
+    ``c_r`` indices and the ``K - c_r`` sums of the other owners, ``((P-1) c_r + K - c_r) 4``."""
     n, delta = 1001, 1.5
-    for P in (2, 3, 4):
-        res = ss.run_local(_micro_first_step, P, n, delta)
-        q, rem = divmod(n, P)
-        starts = [0]
-        for p in range(P):
-            starts.append(starts[-1] + q + (p < rem))
-        counts = [int((res[r][0][starts[r]:starts[r + 1]].abs() >= delta).sum()) for r in range(P)]
-        K, m = sum(counts), max(counts)
-        expect = (P - 1) * m * 4 + 2 * (P - 1) * K * 4 // P
-        for _, nbytes, rounds in res:
-            assert nbytes == expect, (P, counts, nbytes)
-            assert rounds == 3 * (P - 1)
+    for values in ("owner", "allreduce"):
+        for P in (2, 3, 4):
+            res = ss.run_local(_micro_first_step, P, n, delta, values)
+            q, rem = divmod(n, P)
+            starts = [0]
+            for p in range(P):
+                starts.append(starts[-1] + q + (p < rem))
+            counts = [int((res[r][0][starts[r]:starts[r + 1]].abs() >= delta).sum()) for r in range(P)]
+            K, m = sum(counts), max(counts)
+            for r, (_, nbytes, rounds) in enumerate(res):
+                if values == "allreduce":
+                    expect = (P - 1) * m * 4 + 2 * (P - 1) * K * 4 // P
+                else:
+                    expect = (P - 1) * m * 4 + ((P - 1) * counts[r] + K - counts[r]) * 4
+                assert nbytes == expect, (values, P, r, counts, nbytes)
+                assert rounds == 3 * (P - 1)

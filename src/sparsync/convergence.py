@@ -138,6 +138,47 @@ class GradientPolicy:
             u = self.velocity[key] = u.to(grad.device)
         return torch.add(grad, u, alpha=self.momentum, out=u)  # u = g + m u in one pass
 
+    @property
+    def reads_parts(self) -> bool:
+        """True when :meth:`before_reduce_parts` saves a pass: with momentum correction the
+        velocity update reads each parameter's gradient where autograd left it, so the engine
+        skips gathering the gradients into a flat buffer first (one copy of the group per step)."""
+        return self.momentum > 0
+
+    def before_reduce_parts(self, key: int, grads, numels, like: torch.Tensor, reducer=None) -> torch.Tensor:
+        """:meth:`before_reduce` on the group's gradients as separate tensors (``None``: zero),
+        laid out one after the other (``numels``; ``like`` gives dtype and device): the same
+        velocity, bit for bit, without the flat copy of the gradient."""
+        u = self.velocity.get(key)
+        n = sum(numels)
+        if u is None:
+            u = self.velocity[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+        elif u.numel() != n or u.dtype != like.dtype:
+            raise ValueError(f"GradientPolicy: group {key} changed from {tuple(u.shape)} {u.dtype} to "
+                             f"({n},) {like.dtype}; a policy belongs to one merge plan")
+        elif u.device != like.device:  # loaded from a checkpoint (kept on the CPU)
+            u = self.velocity[key] = u.to(like.device)
+        scale = None
+        if self.clip is not None:
+            P = max(1, int(getattr(getattr(reducer, "comm", None), "world_size", 1)))
+            limit = self.clip / math.sqrt(P)
+            sq = [torch.linalg.vector_norm(gr.reshape(-1)) ** 2 for gr in grads if gr is not None]
+            norm = float(torch.stack(sq).sum().sqrt()) if sq else 0.0
+            if norm > limit:
+                scale = limit / (norm + 1e-6)
+        off = 0
+        for gr, m in zip(grads, numels):
+            ui = u[off:off + m]
+            off += m
+            if gr is None:
+                ui.mul_(self.momentum)  # m u + 0
+                continue
+            gi = gr.reshape(-1)
+            if scale is not None:
+                gi = gi * scale
+            torch.add(gi, ui, alpha=self.momentum, out=ui)  # u = g + m u in one pass
+        return u
+
     def after_reduce(self, key: int, reducer) -> None:
         """Momentum-factor masking: clear the velocity where the residual is zero (entry sent)."""
         if not self.masking:

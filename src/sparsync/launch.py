@@ -413,6 +413,20 @@ def _blame_dead(procs, world_size, r, what: str, wait_s: float = 2.0) -> None:
         raise RankFailed(f"{who}; {what}")
 
 
+def _reported_cause(pending, wait_s: float = 0.5):
+    """A peer's error report already on its way that is not itself a lost connection: the cause of
+    the connection errors its exit produced (it reported, then exited). ``(rank, (exc, tb))`` or None."""
+    for c in mpc.wait(list(pending), timeout=wait_s):
+        r = pending.pop(c)
+        try:
+            status, value = torch.load(io.BytesIO(c.recv_bytes()), weights_only=False)
+        except (EOFError, OSError):
+            continue
+        if status == "error" and not _is_connection_error(value[0]):
+            return r, value
+    return None
+
+
 def _collect(procs, conns, world_size, deadline_s):
     results: list[Any] = [None] * world_size
     pending = {c: r for r, c in enumerate(conns)}
@@ -438,6 +452,11 @@ def _collect(procs, conns, world_size, deadline_s):
                 then = f"rank {r} then failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 _blame_stopped(procs, world_size, r, then)
                 if _is_connection_error(exc):  # a peer that died makes the others lose their connections
+                    cause = _reported_cause(pending)
+                    if cause is not None:
+                        _kill_all(procs)
+                        r, (exc, tb) = cause
+                        raise _name_rank(exc, r, world_size, tb)
                     _blame_dead(procs, world_size, r, then)
                 _kill_all(procs)
                 raise _name_rank(exc, r, world_size, tb)

@@ -3,11 +3,12 @@ regression on sparse data.
 
 SparCML's MPI-SGD (docs/linear.md): each step's gradient is naturally sparse (only the features
 present in the batch) and is summed losslessly by a sparse all-reduce. Prints loss and
-accuracy per epoch and the compute/communication time split (rank 0's wall time).
+accuracy per epoch and the compute/communication time split (the first worker's wall time).
 
     sparsync train-linear --data synthetic --model logreg --workers 4 --algorithm auto
     sparsync train-linear --data url.svm --model svm --workers 8 --algorithm ssar_split_allgather \
         --bandwidth 1gbit
+    sparsync train-linear --workers 4 --algorithm ps-async --servers 1 --staleness 2
 """
 
 from __future__ import annotations
@@ -29,9 +30,20 @@ def register(subparsers) -> None:
     p.add_argument("--workers", type=WORKERS, default=4, help="number of ranks P")
     p.add_argument("--algorithm", default="auto",
                    help="sparse all-reduce (auto, ssar_rec_dbl, ssar_split_allgather, dsar_split_allgather, "
-                        "dsar_early_switch, allgather, torch_sparse), 'ps' (parameter server, see --servers) "
-                        "or 'dense' (default auto)")
-    p.add_argument("--servers", type=WORKERS, default=1, help="--algorithm ps: server ranks holding shards")
+                        "dsar_early_switch, allgather, torch_sparse), 'ps' (synchronous parameter server, see "
+                        "--servers), 'ps-async' (asynchronous parameter server, see --staleness) or 'dense' "
+                        "(default auto)")
+    p.add_argument("--servers", type=WORKERS, default=1,
+                   help="--algorithm ps/ps-async: server ranks holding shards (ps: among the workers; "
+                        "ps-async: dedicated, the other --workers - --servers ranks compute)")
+    p.add_argument("--staleness", type=int, default=0,
+                   help="--algorithm ps-async: a worker may be this many steps ahead of the slowest one "
+                        "(0 = synchronous; default 0)")
+    p.add_argument("--ps-timeout", type=float, default=60.0,
+                   help="--algorithm ps-async: seconds any parameter-server receive may wait (default 60)")
+    p.add_argument("--straggler-ms", type=float, default=0.0,
+                   help="emulate a heterogeneous cluster: at every step one worker, drawn at random (seeded), "
+                        "sleeps this many ms after computing its gradient (default 0)")
     p.add_argument("--backend", choices=("thread", "gloo"), default="gloo",
                    help="ranks as threads or gloo processes (default gloo; --bandwidth implies gloo)")
     p.add_argument("--bandwidth", type=NETWORK, default=None,
@@ -54,6 +66,24 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _check_ps(args) -> None:
+    from . import UsageError
+
+    if args.algorithm == "ps" and not 1 <= args.servers <= args.workers:
+        raise UsageError(f"--servers must be in [1, --workers], got {args.servers}")
+    if args.algorithm != "ps-async":
+        return
+    if not 1 <= args.servers < args.workers:
+        raise UsageError(f"--algorithm ps-async: --servers must be in [1, --workers - 1] (dedicated server "
+                         f"ranks, at least one worker left), got --servers {args.servers} --workers {args.workers}")
+    if args.staleness < 0:
+        raise UsageError(f"--staleness must be >= 0, got {args.staleness}")
+    if args.ps_timeout <= 0:
+        raise UsageError(f"--ps-timeout must be > 0 seconds, got {args.ps_timeout}")
+    if args.backend == "thread" and not args.bandwidth:
+        raise UsageError("--algorithm ps-async runs on torch.distributed point-to-point: use --backend gloo")
+
+
 def _worker(comm, train_ds, test_ds, kw):
     from sparsync.linear.sgd import train
 
@@ -68,11 +98,12 @@ def run(args) -> int:
 
     from . import UsageError
 
-    algos = set(load_all()) | {"ps"}
+    algos = set(load_all()) | {"ps", "ps-async"}
     if args.algorithm != "dense" and args.algorithm not in algos:
         raise UsageError(f"unknown --algorithm {args.algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
-    if args.algorithm == "ps" and not 1 <= args.servers <= args.workers:
-        raise UsageError(f"--servers must be in [1, --workers], got {args.servers}")
+    _check_ps(args)
+    if args.straggler_ms < 0:
+        raise UsageError(f"--straggler-ms must be >= 0, got {args.straggler_ms}")
     if not 0 <= args.test_fraction < 1:
         raise UsageError("--test-fraction must be in [0, 1)")
     if args.bandwidth:
@@ -101,9 +132,11 @@ def run(args) -> int:
     print(f"model {args.model}, P = {args.workers}, global batch {gb}, lr {args.lr}, "
           f"algorithm {args.algorithm}, network {net}")
     kw = {"model": args.model, "epochs": args.epochs, "global_batch": gb, "lr": args.lr, "l2": args.l2,
-              "algorithm": args.algorithm, "seed": args.seed}
-    if args.algorithm == "ps":
+              "algorithm": args.algorithm, "seed": args.seed, "straggler_ms": args.straggler_ms}
+    if args.algorithm in ("ps", "ps-async"):
         kw["servers"] = args.servers
+    if args.algorithm == "ps-async":
+        kw.update(staleness=args.staleness, ps_timeout=args.ps_timeout)
     try:
         if args.bandwidth:
             from sparsync.cluster import run_emulated
@@ -116,7 +149,7 @@ def run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    hist = res[0]
+    hist = next(h for h in res if h)  # the first worker's (ps-async: ranks < --servers only serve)
     print(f"{'epoch':>5} {'loss':>8} {'train acc':>9} {'test acc':>8} {'compute s':>9} {'comm s':>8} "
           f"{'comm %':>6} {'MB recv':>8}")
     for h in hist:
@@ -126,5 +159,6 @@ def run(args) -> int:
               f"{h['comm_s']:>8.3f} {100 * h['comm_s'] / max(tot, 1e-12):>5.1f}% "
               f"{h['bytes_received'] / 1e6:>8.2f}"
               + (f"  auto: {', '.join(f'{k} x{v}' for k, v in sorted(h['auto_picked'].items()))}"
-                 if h.get("auto_picked") else ""))
+                 if h.get("auto_picked") else "")
+              + (f"  staleness: mean {h['lag_mean']:.2f}, max {h['lag_max']}" if "lag_max" in h else ""))
     return 0

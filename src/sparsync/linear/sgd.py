@@ -5,11 +5,12 @@ Thesis Algorithm 1 with a fixed *global* batch: every epoch all ranks draw the s
 ``r`` of ``P`` takes the contiguous slice ``[r*b//P, (r+1)*b//P)`` of each batch. Each rank computes
 the *sum* of its samples' gradients (sparse: only the features present in its slice), a lossless
 sparse all-reduce (``algorithm``: any name of :mod:`sparsync.collectives`, ``"ps"`` for the
-parameter-server baseline of :mod:`sparsync.ps` (option ``servers``), or ``"dense"`` for a
+synchronous parameter server of :mod:`sparsync.ps` (option ``servers``), or ``"dense"`` for a
 dense all-reduce) sums them, and every rank applies ``w <- w - lr/b * sum`` (plus an optional dense
 L2 shrink ``w <- w (1 - lr*l2)``, applied identically everywhere). Because the global batch and the
 permutation do not depend on ``P``, 1, 2 or 4 workers follow the same trajectory up to the
-floating-point order of the summation.
+floating-point order of the summation. ``"ps-async"`` trains through the asynchronous parameter server
+with bounded staleness instead (options ``servers``, ``staleness``; :mod:`.ps_async`).
 
 Per epoch it records train loss/accuracy and test accuracy (each rank evaluates its shard; three
 numbers are summed with an unrecorded all-reduce), the wall time spent computing (gradients,
@@ -23,22 +24,19 @@ import time
 import torch
 
 from ..collectives.registry import load_all
-from ..ps import ps_allreduce
-from ..sparse import SparseVec
+from ..ps import apply_update, ps_allreduce
+from .batching import batches, straggle, worker_slice
 from .data import SparseDataset
 from .models import MODELS, batch_gradient, evaluate
+from .ps_async import train_ps_async
 
 __all__ = ["train"]
-
-
-def _shard(n: int, r: int, P: int) -> tuple[int, int]:
-    return r * n // P, (r + 1) * n // P
 
 
 def _metrics(comm, model, ds, w):
     if ds is None or ds.n_samples == 0:
         return None
-    lo, hi = _shard(ds.n_samples, comm.rank, comm.world_size)
+    lo, hi = worker_slice(ds.n_samples, comm.rank, comm.world_size)
     loss, correct, cnt = evaluate(model, ds, torch.arange(lo, hi), w)
     t = torch.tensor([loss, correct, cnt], dtype=torch.float64)
     if comm.world_size > 1:
@@ -49,34 +47,35 @@ def _metrics(comm, model, ds, w):
 
 def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5, global_batch: int = 1000,
           lr: float = 0.5, l2: float = 0.0, algorithm: str = "auto", seed: int = 0, test_ds=None,
-          dtype=torch.float32, log=None, **algo_options) -> dict:
-    """Train on ``comm``'s ranks; returns ``{"w", "history"}`` (identical ``w`` on every rank)."""
+          dtype=torch.float32, log=None, straggler_ms: float = 0.0, **algo_options) -> dict:
+    """Train on ``comm``'s ranks; returns ``{"w", "history"}`` (identical ``w`` on every rank).
+    ``straggler_ms``: one random worker per step sleeps that long (:func:`.batching.straggle`)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     algos = dict(load_all())
     algos["ps"] = ps_allreduce  # the parameter-server baseline (option ``servers``)
-    if algorithm != "dense" and algorithm not in algos:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
+    if algorithm not in ("dense", "ps-async") and algorithm not in algos:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: dense, ps-async, {', '.join(sorted(algos))}")
     if global_batch < comm.world_size:
         raise ValueError(f"global_batch ({global_batch}) must be >= the number of workers ({comm.world_size})")
     if epochs < 1:
         raise ValueError(f"epochs must be >= 1, got {epochs}")
+    if algorithm == "ps-async":
+        return train_ps_async(comm, train_ds, model, epochs, global_batch, lr, l2, seed, test_ds, dtype, log,
+                              straggler_ms=straggler_ms, **algo_options)
     N = train_ds.n_features
-    n = train_ds.n_samples
     w = torch.zeros(N, dtype=dtype)
     history = []
     for epoch in range(epochs):
-        gen = torch.Generator().manual_seed(int(seed) * 7919 + epoch)
-        perm = torch.randperm(n, generator=gen)
         compute_s = comm_s = 0.0
         picked: dict[str, int] = {}
         snap = comm.ledger.snapshot()
-        for start in range(0, n, global_batch):
+        for i, batch in enumerate(batches(train_ds.n_samples, global_batch, seed, epoch)):
             t0 = time.perf_counter()
-            batch = perm[start:start + global_batch]
             b = batch.numel()
-            lo, hi = _shard(b, comm.rank, comm.world_size)
+            lo, hi = worker_slice(b, comm.rank, comm.world_size)
             g = batch_gradient(model, train_ds, batch[lo:hi], w)
+            straggle(straggler_ms, seed, epoch, i, comm.rank, comm.world_size)
             t1 = time.perf_counter()
             if algorithm == "dense":
                 total = comm.allreduce(g.to_dense())
@@ -89,13 +88,9 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
                 if algorithm == "auto":
                     picked[info["algorithm"]] = picked.get(info["algorithm"], 0) + 1
             t2 = time.perf_counter()
-            step = lr / b
             if l2:
                 w.mul_(1.0 - lr * l2)
-            if isinstance(total, SparseVec):
-                w.index_add_(0, total.indices, total.values, alpha=-step)
-            else:
-                w.add_(total, alpha=-step)
+            apply_update(w, total, lr / b)
             t3 = time.perf_counter()
             compute_s += (t1 - t0) + (t3 - t2)
             comm_s += t2 - t1

@@ -46,12 +46,13 @@ from __future__ import annotations
 import contextlib
 import struct
 import time
+from typing import NamedTuple
 
 import torch
 
 from ..select.topk import check_density
 
-__all__ = ["Reducer", "NONFINITE_POLICIES", "VALUE_DTYPES"]
+__all__ = ["Reducer", "IndexedSum", "NONFINITE_POLICIES", "VALUE_DTYPES"]
 
 NONFINITE_POLICIES = ("error", "ignore")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # codes for the set-up check
@@ -68,8 +69,19 @@ def _storage_use_count(t: torch.Tensor) -> int | None:
         return None
 
 
+class IndexedSum(NamedTuple):
+    """A sum over ranks given by its non-zeros: sorted unique int64 ``indices`` into a vector of
+    ``numel`` entries and their ``values`` (the same on every rank); every other entry is zero."""
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+
+
 class Reducer:
     name = "base"
+    #: True when :meth:`_reduce` returns an :class:`IndexedSum` (see :meth:`reduce`'s ``indexed``)
+    indexed_output = False
     #: True when the conservation identity holds exactly (up to fp rounding) every step.
     conserving = True
     #: True for reducers whose wire carries values as ``value_dtype`` (fp16/bf16): the values are
@@ -129,7 +141,11 @@ class Reducer:
                             f"valid: {', '.join(valid) or '(none)'}")
 
     # ------------------------------------------------------------------ public API
-    def reduce(self, grad: torch.Tensor) -> torch.Tensor:
+    def reduce(self, grad: torch.Tensor, *, indexed: bool = False) -> torch.Tensor | IndexedSum:
+        """This step's sum over ranks (see the module docstring). ``indexed=True``: a reducer whose
+        ``indexed_output`` is True returns it as an :class:`IndexedSum` (its non-zeros only), so the
+        caller can write it without a pass over the dense vector (``SparseDDP`` does); every other
+        reducer returns the dense tensor either way."""
         grad = self._validate(grad)
         self.check_finite(grad)
         self.stats = {"select_s": 0.0, "comm_s": 0.0}
@@ -137,6 +153,8 @@ class Reducer:
         t0 = time.perf_counter()
         with self.comm.phase(self.name):
             out = self._reduce(grad)
+            if isinstance(out, IndexedSum) and not indexed:
+                out = self._densify(out)
         self._sync()
         cost = self.comm.ledger.since(snap)
         selected = self.stats.get("selected", self.numel)
@@ -256,6 +274,15 @@ class Reducer:
     #: how many earlier outputs :meth:`zeros_output` keeps for recycling (the caller typically
     #: still holds the previous one while the next step runs, so 2)
     output_pool_size = 2
+
+    def _densify(self, out: IndexedSum) -> torch.Tensor:
+        """The dense tensor of an :class:`IndexedSum` (a recycled zero-filled output buffer unless
+        ``reuse_buffers`` is off)."""
+        if getattr(self, "reuse_buffers", True):
+            dense = self.zeros_output(out.numel, out.values.dtype, out.values.device)
+        else:
+            dense = torch.zeros(out.numel, dtype=out.values.dtype, device=out.values.device)
+        return dense.index_copy_(0, out.indices, out.values)
 
     def zeros_output(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A zero-filled 1-D tensor for this step's dense result (see the module docstring).

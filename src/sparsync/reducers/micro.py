@@ -10,8 +10,12 @@ partitions; at step ``t`` rank ``r`` owns partition ``(t mod P + r) mod P``. Eac
    all-gather by direct sends, see ``gather``; feedback rules: ``comm.allgatherv``), and
    concatenates them in *partition* order, which is the globally sorted union ``idx_t`` on every
    rank,
-4. all-reduces its own values ``acc[idx_t]`` (dense all-reduce of ``K_t = |idx_t|`` values) - every
-   rank contributes at every selected index, including those chosen by other ranks,
+4. sums ``acc[idx_t]`` over ranks - every rank contributes at every selected index, including
+   those chosen by other ranks. Default (``values="owner"``): each rank sends the values at rank
+   ``q``'s indices to ``q``, the owner sums them in rank order and sends the sums back - a
+   reduce-scatter + all-gather along the partitions in two direct batches (2 dependent rounds
+   instead of the ring all-reduce's ``2(P - 1)``, the same bytes; see ``values`` below);
+   ``values="allreduce"``: one dense all-reduce of the ``K_t`` values (the paper's wording),
 5. zeroes ``acc[idx_t]`` and keeps the rest as residual (conserving), and
 6. scales the threshold for the next step.
 
@@ -41,11 +45,18 @@ Threshold rule (option ``rule``; ``spec/micro.md`` §5 leaves it open, see ``doc
   every rank after step 3, so ``delta`` stays identical everywhere); ``"micro"`` is the authors'
   x1.005 / x1.00125 / x0.995 rule, for reproduction.
 
-Cost (ring algorithms, per rank, ``m = max_r |idx_r|`` index elements, ``K = sum_r |idx_r|``)::
+Cost (per rank ``r``, ``m = max_r |idx_r|`` index elements, ``m_r = |idx_r|``, ``K = sum_r |idx_r|``;
+``value_bytes`` on the wire, ``acc_bytes`` = 4 for fp32 sums)::
 
     rounds         = (P - 1) [histogram rule]  +  (P - 1)  +  2 (P - 1)
-    bytes_received = (P - 1) (bins + 2) 8 [histogram rule]
-                     + (P - 1) * m * index_bytes + 2 (P - 1) * K * value_bytes // P
+    bytes_received = (P - 1) (bins + 2) 8 [histogram rule]  +  (P - 1) * m * index_bytes
+                     + (P - 1) * m_r * value_bytes + (K - m_r) * acc_bytes     [values="owner"]
+                     + 2 (P - 1) * K * value_bytes // P                       [values="allreduce"]
+
+(the ledger counts a batch of ``P - 1`` direct messages as ``P - 1`` rounds, like a ring step
+each; on the wire the owner path is two dependent batches where the ring all-reduce is
+``2(P - 1)`` dependent steps - each of which, with more ranks than cores, waits for the next
+process to be scheduled: measured in docs/benchmarks.md, issue 10).
 
 plus, for the feedback rules only, ``P - 1`` 8-byte count headers (``allgatherv``). With a
 calibrated threshold ``K ~= k`` and ``m ~= k/P`` (:meth:`MicroReducer.predicted_cost` gives the
@@ -62,14 +73,19 @@ Other options (``make_reducer("micro", comm, density, ...)``):
   It bounds the message when the threshold is far too low (e.g. the first steps). ``None``: no cap.
 * ``force_nonempty`` - mimic the reference snapshot: a rank that selects nothing sends index
   ``start + (t mod size)`` of its partition (default False: empty selections are allowed).
-* ``reuse_buffers`` - double-buffer the accumulator (default True): ``acc`` is written into the
-  buffer of the residual from two steps ago instead of a fresh allocation (a fresh 40 MB tensor
-  costs ~7 ms of page faults at n = 1e7 on this machine). The residual tensor of step ``t`` is
-  therefore recycled at step ``t + 2``: clone it if you keep it longer than one step. It also
+* ``reuse_buffers`` - accumulate in place (default True): ``acc`` is the residual tensor itself,
+  ``residual += grad`` (:class:`BufferedAccumulator`), instead of a fresh allocation (a fresh 40 MB
+  tensor costs ~7 ms of page faults at n = 1e7 on this machine). The residual tensor of step ``t``
+  is therefore overwritten at step ``t + 1``: clone it if you keep it. It also
   recycles the dense output (:meth:`Reducer.zeros_output`): a buffer is reused only after the
   caller has dropped every reference to it (views included) and is zeroed in full, so outputs the
   caller keeps are never touched (a fresh 40 MB output cost ~7 ms per rank per step, ~15-25 ms
   with 4 ranks on 2 cores).
+* ``values`` - how the selected values are summed: ``"owner"`` (default) or ``"allreduce"`` (see
+  step 4). The owner path sums in fp32 (the owner adds the ``P`` contributions in rank order and
+  sends the sums, so every rank holds the same bits), which also keeps it conserving with
+  ``value_dtype`` fp16/bf16 (only the contributions travel rounded; their rounding error stays in
+  the residual). The all-reduce sums half-precision values on the wire (not conserving then).
 * ``gather`` - how the fixed-size all-gathers of the default rule (histogram counts, padded index
   lists) travel: ``"direct"`` (default) posts the ``P - 1`` sends and receives at once
   (``comm.exchange`` with known sizes); ``"ring"`` uses ``comm.allgather`` (gloo's ring: ``P - 1``
@@ -84,7 +100,8 @@ adapts to either scale.
 ``stats``: ``selected`` = ``K_t`` (values every rank contributes and receives), ``density`` =
 ``K_t / n`` vs ``target_density``; ``local_selected`` (this rank's indices), ``passed`` (before the
 cap), ``saturated`` (cap hit), ``threshold`` (used this step), ``next_threshold``, ``partition``,
-``max_count``, ``spread``; times ``select_s``, ``comm_s``, ``update_s``. ``r.last_indices`` /
+``max_count``, ``spread``; times ``select_s``, ``comm_s`` (of which ``comm_calibrate_s``,
+``comm_indices_s``, ``comm_values_s``), ``update_s``. ``r.last_indices`` /
 ``r.last_union`` hold this rank's selection and the union of the last step.
 """
 
@@ -110,32 +127,35 @@ from ..select.threshold import (
     threshold_indices,
 )
 from ..sparse import index_dtype_for
-from .base import Reducer
+from .base import IndexedSum, Reducer
 from .registry import register
 
 
 class BufferedAccumulator:
-    """Mixin: ``acc = grad + residual`` written into a recycled buffer (see ``reuse_buffers``)."""
+    """Mixin: ``acc = grad + residual`` without a fresh allocation (see ``reuse_buffers``).
+
+    ``reuse_buffers=True``: the residual tensor itself becomes the accumulator,
+    ``residual.add_(grad)`` - no allocation (a fresh 40 MB tensor costs ~7 ms of page faults at
+    n = 1e7) and no third array: an in-place add reads two arrays and writes back where it read,
+    where ``torch.add(grad, residual, out=other)`` also has to fetch ``other``'s cache lines before
+    writing them (measured on this machine, n = 4.35M, one thread: in place 1.4-3.2 ms, into a
+    third buffer 2.2-7.4 ms). So ``r.residual`` of step ``t`` is overwritten by step ``t + 1``:
+    clone it to keep it. ``False``: a new tensor ``grad + residual`` every step.
+    """
 
     reuse_buffers = True
-    _spare: torch.Tensor | None = None
 
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         res = self.residual
         if res is None:
             return grad.clone()
-        if not self.reuse_buffers:
+        if (not self.reuse_buffers or res.shape != grad.shape or res.dtype != torch.result_type(grad, res)
+                or res.device != grad.device or res.data_ptr() == grad.data_ptr()):
             return grad + res
-        buf = self._spare
-        if (buf is None or buf.shape != grad.shape or buf.dtype != torch.result_type(grad, res)
-                or buf.device != grad.device or buf.data_ptr() in (grad.data_ptr(), res.data_ptr())):
-            buf = torch.empty(grad.shape, dtype=torch.result_type(grad, res), device=grad.device)
-        torch.add(grad, res, out=buf)
-        self._spare = res
-        return buf
+        return res.add_(grad)
 
     def _forget_buffers(self) -> None:
-        self._spare = None
+        pass
 
 
 def check_cap_factor(cap_factor):
@@ -153,14 +173,20 @@ def check_cap_factor(cap_factor):
 @register("micro")
 class MicroReducer(BufferedAccumulator, Reducer):
     conserving = True
-    supports_value_dtype = True  # values summed in half precision by the all-reduce: not conserving then
-    value_dtype_conserving = False
+    supports_value_dtype = True
+    value_dtype_conserving = True  # values="owner" sums in fp32; "allreduce" sums halves (set per instance)
+    indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  rule: str = "histogram", spread: float = 1.1, max_spread: float = 4.0, bins: int = 128,
                  gamma: float = 0.5, max_step: float = 2.0, band: float = 0.02, min_step: float = 1e-3,
                  grow: float = 1.5, shrink: float = 0.5, cap_factor: float | None = 4.0,
-                 force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct", **rest):
+                 force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct",
+                 values: str = "owner", **rest):
+        if values not in ("owner", "allreduce"):
+            raise ValueError(f"micro: values must be 'owner' or 'allreduce', got {values!r}")
+        self.values = values
+        self.value_dtype_conserving = values == "owner"  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
         self.threshold0 = None if threshold is None else check_threshold(threshold)
         rules = ("histogram",) + ThresholdController.RULES
@@ -253,6 +279,30 @@ class MicroReducer(BufferedAccumulator, Reducer):
         got[me] = t
         return [got[p] for p in range(P)]
 
+    def _owner_sum(self, sent: torch.Tensor, sizes: list[int], step: int, dtype) -> torch.Tensor:
+        """Sum over ranks of ``sent`` (every rank's values at the union, in partition order).
+
+        Two direct batches (``values="owner"``): rank ``r`` sends the slice at rank ``q``'s indices to
+        ``q``; ``q`` adds the ``P`` slices in rank order in ``dtype`` (fp32) and sends the sum to every
+        rank. Every sum is computed once, by its owner, so all ranks hold the same bits.
+        """
+        comm = self.comm
+        P, me = comm.world_size, comm.rank
+        pieces = torch.split(sent, sizes)  # partition order
+        piece = [pieces[owned_partition(q, step, P)] for q in range(P)]  # by owner rank
+        peers = [(me + d) % P for d in range(1, P)]
+        mine = piece[me]
+        got = comm.exchange([(q, (piece[q], "fixed")) for q in peers],
+                            [(p, (mine.numel(), sent.dtype)) for p in peers]) if P > 1 else {}
+        got[me] = mine
+        total = got[0].to(dtype, copy=True)
+        for p in range(1, P):
+            total += got[p]
+        sums = comm.exchange([(q, (total, "fixed")) for q in peers],
+                             [(q, (piece[q].numel(), dtype)) for q in peers]) if P > 1 else {}
+        sums[me] = total
+        return torch.cat([sums[partition_owner(p, step, P)] for p in range(P)])
+
     def _cap(self, size: int) -> int | None:
         if self.cap_factor is None:
             return None
@@ -303,7 +353,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
                 idx, passed = partitioned_threshold_select(acc, delta, start, end, cap=cap, workspace=self._ws)
         known = None  # every rank's count, when the calibration told us (no count exchange needed)
         if calibrate:
-            with self.timed("comm"), comm.phase(self.name + ".calibrate"):
+            with self.timed("comm"), self.timed("comm_calibrate"), comm.phase(self.name + ".calibrate"):
                 hists = torch.stack(self._allgather_fixed(hist))  # (P, bins + 2): tiny, latency bound
             j, _ = choose_edge(hists.sum(0), self.controller.target)
             delta = float(edges[j])
@@ -317,25 +367,29 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if self.force_nonempty and idx.numel() == 0 and end > start:
             idx = torch.tensor([start + step % (end - start)], dtype=torch.int64, device=acc.device)
         with self.timed("comm"):
-            lists = self._gather_indices(idx, known)
+            with self.timed("comm_indices"):
+                lists = self._gather_indices(idx, known)
             counts = [x.numel() for x in lists]
             # partition order = globally sorted union, the same on every rank
             union = torch.cat([lists[partition_owner(p, step, P)] for p in range(P)]).to(torch.int64)
             K = union.numel()
             if K:
-                with comm.phase(self.name + ".values"):
-                    sent, vals = self.allreduce_wire_values(acc[union])
+                with self.timed("comm_values"), comm.phase(self.name + ".values"):
+                    if self.values == "owner":
+                        sent = self.wire_values(acc[union])
+                        vals = self._owner_sum(sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)],
+                                               step, acc.dtype)
+                    else:
+                        sent, vals = self.allreduce_wire_values(acc[union])
         with self.timed("update"):
-            if self.reuse_buffers:  # recycled once the caller has dropped an earlier output
-                out = self.zeros_output(self.numel, acc.dtype, acc.device)
-            else:
-                out = torch.zeros(self.numel, dtype=acc.dtype, device=acc.device)
             if K:
                 if sent.dtype == acc.dtype:
                     acc.index_fill_(0, union, 0)
                 else:  # half values sent: the rounding error stays
                     acc[union] = acc[union] - sent.to(acc.dtype)
-                out.index_copy_(0, union, vals)
+            else:
+                vals = acc.new_zeros(0)
+            out = IndexedSum(union, vals, self.numel)
             self.residual = acc
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
             self.controller.delta = next_delta = delta
@@ -353,22 +407,33 @@ class MicroReducer(BufferedAccumulator, Reducer):
 
     # ------------------------------------------------------------------ cost
     @classmethod
-    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128, **_):
-        """Ring cost per rank (``spec/micro.md`` §6, plus the calibration all-gather of the default rule).
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128,
+                       values="owner", rank=None, acc_bytes=4, **_):
+        """Cost per rank (``spec/micro.md`` §6, plus the calibration all-gather of the default rule;
+        the value sum as the module docstring gives it for ``values``).
 
-        With the per-rank ``counts`` of a step the result is exact; otherwise it is for ``K = k``
-        with the bounds ``m in [ceil(k/P), k]`` as a ``(low, high)`` pair.
+        With the per-rank ``counts`` of a step the result is exact - for ``rank`` (the owner path
+        receives by rank), or the largest over ranks when ``rank`` is None; otherwise it is for
+        ``K = k`` with the bounds ``m in [ceil(k/P), k]`` as a ``(low, high)`` pair (owner path:
+        for the rank that sends the most indices).
         """
         if P <= 1:
             return {"rounds": 0, "bytes_received": 0}
         cal_rounds = P - 1 if rule == "histogram" else 0
         cal_bytes = (P - 1) * (int(bins) + 2) * 8 if rule == "histogram" else 0
+
+        def value_bytes_at(K, m_r):
+            if values == "owner":
+                return (P - 1) * m_r * value_bytes + (K - m_r) * acc_bytes
+            return 2 * (P - 1) * K * value_bytes // P
+
         if counts is not None:
             K, m = sum(counts), max(counts)
             rounds = cal_rounds + (P - 1 if m else 0) + (2 * (P - 1) if K else 0)
-            return {"rounds": rounds, "bytes_received": cal_bytes + (P - 1) * m * index_bytes
-                    + 2 * (P - 1) * K * value_bytes // P}
-        vals = cal_bytes + 2 * (P - 1) * k * value_bytes // P
-        lo = (P - 1) * math.ceil(k / P) * index_bytes + vals
-        hi = (P - 1) * k * index_bytes + vals
+            ranks = range(P) if rank is None else [rank]
+            vb = max(value_bytes_at(K, counts[r]) for r in ranks)
+            return {"rounds": rounds, "bytes_received": cal_bytes + (P - 1) * m * index_bytes + vb}
+        lo_m, hi_m = math.ceil(k / P), k
+        lo = cal_bytes + (P - 1) * lo_m * index_bytes + value_bytes_at(k, lo_m)
+        hi = cal_bytes + (P - 1) * hi_m * index_bytes + value_bytes_at(k, hi_m)
         return {"rounds": cal_rounds + 3 * (P - 1), "bytes_received": (lo, hi)}

@@ -13,6 +13,16 @@ step every parameter's ``.grad`` is a view of its slice, so:
 
 Passes per dense step over a group of n entries (excluding the reducer): at most 1 copy in, 1 read
 (the non-finite check, :func:`~sparsync.schedule.guards.all_finite`), 1 divide-and-write out.
+
+**Sparse results** (:class:`~sparsync.reducers.base.IndexedSum`, e.g. ``micro``): the buffer holds
+last step's ``sum / P``, non-zero only at last step's indices. If nothing has written into the
+buffer since (its version counter - shared by every ``.grad`` view - is unchanged: no in-place
+``.grad`` edit by the user, no accumulation by autograd into the views), only those entries are
+cleared and the new ones written: ``O(k)`` instead of a pass over ``n``; otherwise one ``zero_()``
+first. To keep the buffer clean, gradients that autograd allocated afresh (``zero_grad()``'s
+default ``set_to_none=True``) are gathered into a second, input-only buffer
+(``gather(..., keep_output=True)``), or not copied at all when a convergence policy reads them
+directly (:meth:`~sparsync.convergence.GradientPolicy.before_reduce_parts`).
 """
 
 from __future__ import annotations
@@ -29,30 +39,42 @@ class GradBuffers:
         self.groups: list[list[int]] = []
         self.flat: list[torch.Tensor | None] = []
         self.views: list[list[torch.Tensor] | None] = []
+        self.inputs: list[tuple | None] = []  # (input-only buffer, its views) for gather(keep_output)
+        self.sparse_state: list[tuple[int, torch.Tensor] | None] = []  # (flat._version, non-zero indices)
 
     def set_groups(self, groups) -> None:
         """New plan: buffers are (re)allocated lazily, on each group's first gather."""
         self.groups = [list(g) for g in groups]
         self.flat = [None] * len(self.groups)
         self.views = [None] * len(self.groups)
+        self.inputs = [None] * len(self.groups)
+        self.sparse_state = [None] * len(self.groups)
 
     def _buffer(self, g: int) -> torch.Tensor:
         flat = self.flat[g]
         if flat is None:
             ps = [self.params[i] for i in self.groups[g]]
             flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
-            views, off = [], 0
-            for p in ps:
-                views.append(flat[off:off + p.numel()].view(p.shape))
-                off += p.numel()
-            self.flat[g], self.views[g] = flat, views
+            self.flat[g], self.views[g] = flat, _views_of(flat, ps)
         return flat
 
-    def gather(self, g: int, grads) -> tuple[torch.Tensor, int]:
-        """The group's local gradient as its flat buffer; returns (buffer, bytes copied)."""
+    def gather(self, g: int, grads, keep_output: bool = False) -> tuple[torch.Tensor, int]:
+        """The group's local gradient as one flat tensor; returns (tensor, bytes copied).
+
+        The ``.grad`` views themselves when every gradient still is one (nothing copied); else a
+        copy into the ``.grad`` buffer, or - ``keep_output=True``, for a sparse result - into the
+        group's input-only buffer, so the ``.grad`` buffer keeps its known non-zeros."""
         flat = self._buffer(g)
+        views = self.views[g]
+        if all(_is_view_of(gr, view) for gr, view in zip(grads, views)):
+            return flat, 0
+        if keep_output:
+            if self.inputs[g] is None:
+                buf = torch.empty_like(flat)
+                self.inputs[g] = (buf, _views_of(buf, [self.params[i] for i in self.groups[g]]))
+            flat, views = self.inputs[g]
         copied = 0
-        for gr, view in zip(grads, self.views[g]):
+        for gr, view in zip(grads, views):
             if gr is None:
                 view.zero_()
             elif _is_view_of(gr, view):
@@ -61,6 +83,24 @@ class GradBuffers:
                 view.copy_(gr.to_dense() if gr.is_sparse else gr)
                 copied += view.numel() * view.element_size()
         return flat, copied
+
+    def write_indexed(self, g: int, out, P: int) -> None:
+        """``.grad`` of group ``g`` := ``out / P`` for an :class:`~sparsync.reducers.base.IndexedSum`:
+        clears last step's non-zeros (or the whole buffer when it was written since) and writes the
+        new ones - ``torch.div(values, P)``, the same bits as the dense path's ``torch.div(out, P)``."""
+        if not self.as_view:
+            dense = torch.zeros(out.numel, dtype=out.values.dtype, device=out.values.device)
+            return self.write_average(g, dense.index_copy_(0, out.indices, out.values), P)
+        flat = self._buffer(g)
+        prev = self.sparse_state[g]
+        if prev is not None and prev[0] == flat._version:
+            flat.index_fill_(0, prev[1], 0)
+        else:
+            flat.zero_()
+        vals = torch.div(out.values, P) if P > 1 else out.values
+        flat.index_copy_(0, out.indices, vals.to(flat.dtype))
+        self.sparse_state[g] = (flat._version, out.indices)
+        self._attach(g)
 
     def write_average(self, g: int, out: torch.Tensor, P: int) -> None:
         """``.grad`` of every parameter of group ``g`` := its slice of ``out / P`` (one pass)."""
@@ -71,6 +111,7 @@ class GradBuffers:
                 self.params[i].grad = piece.view_as(self.params[i])
             return
         flat = self._buffer(g)
+        self.sparse_state[g] = None
         if out.data_ptr() == flat.data_ptr():
             if P > 1:
                 flat.div_(P)
@@ -78,6 +119,10 @@ class GradBuffers:
             torch.div(out, P, out=flat)
         else:
             flat.copy_(out)
+        self._attach(g)
+
+    def _attach(self, g: int) -> None:
+        """Point every parameter's ``.grad`` of group ``g`` at its view (after a write)."""
         for i, view in zip(self.groups[g], self.views[g]):
             p = self.params[i]
             if not _is_view_of(p.grad, view):
@@ -87,3 +132,12 @@ class GradBuffers:
 def _is_view_of(t, view) -> bool:
     return (t is not None and not t.is_sparse and t.data_ptr() == view.data_ptr() and t.shape == view.shape
             and t.stride() == view.stride() and t.dtype == view.dtype)
+
+
+def _views_of(flat: torch.Tensor, params) -> list[torch.Tensor]:
+    """Consecutive slices of ``flat`` shaped like ``params``."""
+    views, off = [], 0
+    for p in params:
+        views.append(flat[off:off + p.numel()].view(p.shape))
+        off += p.numel()
+    return views

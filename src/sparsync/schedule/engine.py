@@ -33,6 +33,7 @@ import traceback
 
 import torch
 
+from ..reducers.base import IndexedSum
 from ..reducers.registry import load_all, make_reducer
 from .buffers import GradBuffers
 from .groups import check_cover, migrate_reducers, split_groups
@@ -243,17 +244,8 @@ class OverlapEngine:
                 out = r.reduce_sparse(x)
                 span.mark("reduce")
             else:
-                x, copied = self.buffers.gather(g, grads)
-                self._stats.copied_bytes += copied
-                span.mark("copy")
-                if self.guard.checks and not all_finite(x):
-                    self._bad_local.append(g)
-                    x.zero_()
-                span.mark("check")
-                if self.policy is not None:
-                    x = self.policy.before_reduce(g, x, r)
-                    span.mark("policy")
-                out = r.reduce(x)
+                x = self._dense_input(g, grads, r, span)
+                out = r.reduce(x, indexed=self.buffers.as_view)
                 span.mark("reduce")
                 if self.policy is not None:
                     self.policy.after_reduce(g, r)
@@ -264,6 +256,36 @@ class OverlapEngine:
             self._stats.add_reducer_stats(r.stats)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             self._error = (g, e, traceback.format_exc())
+
+    def _dense_input(self, g, grads, r, span):
+        """The group's flat local gradient as the reducer should see it (policy applied).
+
+        With a policy that reads the per-parameter gradients itself (momentum correction:
+        ``u = m u + g`` slice by slice) nothing is copied into a flat buffer first; otherwise the
+        gradients are gathered (:meth:`GradBuffers.gather`; into the input-only buffer when the
+        reducer returns an :class:`IndexedSum`, so the ``.grad`` buffer stays cheap to clear)."""
+        parts = getattr(self.policy, "reads_parts", False)
+        if parts:
+            span.mark("copy")
+            if self.guard.checks and not all(all_finite(gr) for gr in grads if gr is not None):
+                self._bad_local.append(g)
+                grads = [None] * len(grads)
+            span.mark("check")
+            x = self.policy.before_reduce_parts(g, grads, [self.numels[i] for i in self.groups[g]],
+                                                self.params[self.groups[g][0]], r)
+            span.mark("policy")
+            return x
+        x, copied = self.buffers.gather(g, grads, keep_output=bool(getattr(r, "indexed_output", False)))
+        self._stats.copied_bytes += copied
+        span.mark("copy")
+        if self.guard.checks and not all_finite(x):
+            self._bad_local.append(g)
+            x.zero_()
+        span.mark("check")
+        if self.policy is not None:
+            x = self.policy.before_reduce(g, x, r)
+            span.mark("policy")
+        return x
 
     def _sparse_input(self, g, gr):
         p = self.params[self.groups[g][0]]
@@ -321,7 +343,9 @@ class OverlapEngine:
     def _write_back(self):
         for g, idx in enumerate(self.groups):
             out = self._outs[g]
-            if out.is_sparse:
+            if isinstance(out, IndexedSum):
+                self.buffers.write_indexed(g, out, self.P)
+            elif out.is_sparse:
                 p = self.params[idx[0]]
                 out = out.coalesce() * (1.0 / self.P)
                 p.grad = out.reshape(p.shape) if out.dim() != p.dim() else out

@@ -81,11 +81,15 @@ class StepStats:
     def __init__(self):
         self.spans: list[GroupSpan] = []
         self.counters = dict.fromkeys(_REDUCER_KEYS, 0)
+        self.stages: dict[str, float] = {}  # reducer-specific stage times, summed over groups
         self.copied_bytes = 0   # gradient bytes copied into the flat buffers (0 when .grad were the views)
 
     def add_reducer_stats(self, st: dict) -> None:
         for k in _REDUCER_KEYS:
             self.counters[k] += st.get(k, 0) or 0
+        for k, v in st.items():  # a reducer's own stage times (e.g. micro's comm_values_s)
+            if k.endswith("_s") and k not in _REDUCER_KEYS and k != "total_s" and isinstance(v, float):
+                self.stages[k] = self.stages.get(k, 0.0) + v
 
     def summary(self, *, t_start, t_end, t_done, t_written) -> dict:
         c = self.counters
@@ -101,6 +105,7 @@ class StepStats:
             "bytes_received": int(c["bytes_received"]),
             "selected": int(c["selected"]),
             "copied_bytes": int(self.copied_bytes),
+            **{f"reducer_{k}": v for k, v in self.stages.items()},
         }
         totals = dict.fromkeys(("copy", "check", "policy", "select", "comm", "reducer_other"), 0.0)
         wait = dict(totals)

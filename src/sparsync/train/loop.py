@@ -42,6 +42,11 @@ from .workloads import make_workload, workload_names
 
 __all__ = ["TORCH_DDP", "NetworkUnavailable", "launch", "train_worker", "valid_reducers", "validate"]
 
+#: the engine's step breakdown (``last_stats``, :mod:`sparsync.schedule.stepstats`) kept per step
+_BREAKDOWN_KEYS = ("writeback_s", "copy_s", "check_s", "policy_s", "reducer_other_s", "cpu_wait_s",
+                   "wait_copy_s", "wait_check_s", "wait_policy_s", "wait_select_s", "wait_comm_s",
+                   "wait_reducer_other_s", "wait_idle_s")
+
 #: torch's own DDP: plain, fp16 compression hook, PowerSGD hook of rank 1 and 4 (torch's PowerSGDState)
 TORCH_DDP = ("ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4")
 #: the no-communication floor: same model and data, gradients never exchanged (ranks drift apart;
@@ -313,7 +318,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             else:
                 st = dict(getattr(ddp, "last_stats", {}) or {})
                 for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
-                          "numel", "density", "groups"):
+                          "numel", "density", "groups", *_BREAKDOWN_KEYS, *(k for k in st if k.startswith("reducer_"))):
                     if k in st:
                         v = st[k]
                         if not (isinstance(v, (int, float)) or v is None):

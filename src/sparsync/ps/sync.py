@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from .sparse import SparseVec, add, decode, encode
+from ..sparse import SparseVec, add, decode, encode
 
-__all__ = ["check_servers", "ps_allreduce", "shard_bounds"]
+__all__ = ["check_servers", "cut_shards", "ps_allreduce", "shard_bounds"]
 
 
 def check_servers(servers, world_size: int) -> int:
@@ -46,7 +46,8 @@ def shard_bounds(numel: int, servers: int) -> list[int]:
     return b
 
 
-def _cut(sv: SparseVec, bounds: list[int]) -> list[SparseVec]:
+def cut_shards(sv: SparseVec, bounds: list[int]) -> list[SparseVec]:
+    """``sv`` cut at the shard boundaries, each part re-based to its shard."""
     cuts = torch.searchsorted(sv.indices, torch.tensor(bounds, dtype=torch.int64, device=sv.indices.device)).tolist()
     return [SparseVec(sv.indices[cuts[s]:cuts[s + 1]] - bounds[s], sv.values[cuts[s]:cuts[s + 1]],
                       bounds[s + 1] - bounds[s], check=False) for s in range(len(bounds) - 1)]
@@ -69,7 +70,7 @@ def ps_allreduce(sv: SparseVec, comm, servers: int = 1, **_) -> SparseVec | torc
     servers = check_servers(servers, P)
     n, dtype = sv.numel, sv.dtype
     bounds = shard_bounds(n, servers)
-    mine = _cut(sv, bounds)
+    mine = cut_shards(sv, bounds)
     if P == 1:
         return sv
     with comm.phase("ps:push"):
