@@ -94,3 +94,33 @@ def test_heavy_tail_grads_residual_modes_and_plain_allgather():
     with pytest.raises(ValueError, match="unknown gradient pattern"):
         from sparsync.bench.reducers import bench_grads
         bench_grads("zipf", 0, 10, 0, 1)
+
+
+def _baseline_worker(comm):
+    from sparsync.bench.reducers import _reducers_worker
+
+    return _reducers_worker(comm, ["topka"], 4_000, 0.01, 3, 1, 0, {}, "t", False, "heavy_tail", ("reset",),
+                            ("allreduce", "plain_allgather"))
+
+
+def test_reducer_bench_baseline_rows_alternate_inputs():
+    """``--baselines``: the bare all-reduce and the plain all-gather of the same gradients' exact top-k
+    are timed in the same process group; the plain reference alternates the two heavy-tailed inputs."""
+    P, n, k = 2, 4_000, 40
+    res = ss.run_local(_baseline_worker, P, backend="thread")
+    for out in res:
+        ar, pa, red = out["allreduce", "reset"], out["plain_allgather", "reset"], out["topka", "reset"]
+        assert len(ar) == len(pa) == len(red) == 3
+        assert all(r["bytes_sent"] == 2 * (P - 1) * n * 4 // P and r["density"] == 1 for r in ar)
+        # two all-gathers of k int64 indices and k fp32 values
+        assert all(r["bytes_sent"] == (P - 1) * k * 12 and r["selected"] == k for r in pa)
+        assert all(r["comm_s"] == r["total_s"] and r["select_s"] == 0 for r in ar + pa)
+    # time_collective with a list of inputs runs them in turn (digest of the last step = input 1)
+    def alt(comm):
+        svs = [make_sparse("heavy_tail", comm.rank, P, n, 0.01, variant=j) for j in range(2)]
+        last = time_collective(comm, "allgather", svs, steps=2, warmup=0, check=True)[-1]["digest"]
+        return last, digest(ss.sparse_allreduce(svs[1], comm, algorithm="allgather"))
+    assert all(a == b for a, b in ss.run_local(alt, P, backend="thread"))
+    with pytest.raises(ValueError, match="unknown baselines"):
+        from sparsync.bench.reducers import run_reducer_bench
+        run_reducer_bench(["topka"], [2], 100, 0.1, baselines=("nope",))

@@ -20,6 +20,8 @@ import torch
 __all__ = [
     "SparseVec",
     "Payload",
+    "IndexFlags",
+    "coalesce_in_order",
     "index_dtype_for",
     "sparse_is_smaller",
     "add",
@@ -260,10 +262,12 @@ def as_dtype(x: Payload, dtype: torch.dtype) -> Payload:
     return x.to(dtype)
 
 
-def sum_in_rank_order(payloads, numel: int, dtype, device) -> torch.Tensor:
+def sum_in_rank_order(payloads, numel: int, dtype, device, out: torch.Tensor | None = None) -> torch.Tensor:
     """Dense sum of decoded payloads (SparseVec or dense tensors) in rank order: deterministic, so
-    the same bits on every rank; values of any float dtype are summed in ``dtype``."""
-    out = torch.zeros(int(numel), dtype=dtype, device=device)
+    the same bits on every rank; values of any float dtype are summed in ``dtype``. ``out``: a
+    zero-filled buffer of ``numel`` elements to sum into (a reducer's recycled output), else a new one."""
+    if out is None:
+        out = torch.zeros(int(numel), dtype=dtype, device=device)
     for p in payloads:
         if isinstance(p, SparseVec):
             out.index_add_(0, p.indices, p.values.to(dtype))
@@ -296,15 +300,60 @@ def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, devic
     sparse = [p for p in parts if isinstance(p, SparseVec)]
     if len(sparse) < len(parts) or sum(p.nnz for p in sparse) >= numel:
         return sum_in_rank_order(parts, numel, dtype, device)
-    idx = torch.cat([p.indices for p in sparse])
-    vals = torch.cat([p.values.to(dtype) for p in sparse])
-    uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
-    out = torch.zeros(uniq.numel(), dtype=dtype, device=device).index_add_(0, inverse, vals)
+    uniq, out = coalesce_in_order([p.indices for p in sparse], [p.values.to(dtype) for p in sparse], numel)
     if sparse_is_smaller(uniq.numel(), numel, dtype):
         return SparseVec(uniq, out, numel, check=False)
     dense = torch.zeros(numel, dtype=dtype, device=device)
     dense[uniq] = out
     return dense
+
+
+def coalesce_in_order(idx_parts, val_parts, numel: int | None = None):
+    """Sorted unique indices of the concatenated parts and their values summed in part order.
+
+    One *stable* sort of the indices (as int32 when ``numel`` fits: half the bytes to move, ~2x
+    faster than ``torch.unique``'s int64 sort on this machine at 2M entries), so equal indices stay
+    in part order, then a segment sum by ``index_add_`` over the non-decreasing run ids: every index
+    gets ``0 + v_0 + v_1 + ...`` in part order, bitwise the same on every rank. ``numel``: an
+    upper bound of the indices (None: any int64).
+    """
+    idx = torch.cat(idx_parts) if len(idx_parts) > 1 else idx_parts[0]
+    vals = torch.cat(val_parts) if len(val_parts) > 1 else val_parts[0]
+    key = idx.to(torch.int32) if numel is not None and numel <= INT32_MAX else idx
+    s, perm = torch.sort(key, stable=True)
+    new = torch.ones(s.numel(), dtype=torch.bool, device=s.device)
+    torch.ne(s[1:], s[:-1], out=new[1:])
+    run = torch.cumsum(new, 0).sub_(1)
+    uniq = s[new].to(torch.int64)
+    out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device).index_add_(0, run, vals[perm])
+    return uniq, out
+
+
+class IndexFlags:
+    """``torch.isin(idx, members)`` for indices in ``[0, numel)`` in O(len(idx) + len(members)).
+
+    A persistent all-False bool vector of ``numel`` flags: the members' flags are set, ``idx``'s
+    are read, the members' are cleared again - three sparse passes instead of ``isin``'s sort of
+    both lists (~20 ms per call at ``k = 1e5`` on this machine), and no pass over ``numel`` after
+    the first call (the vector is allocated once, zero-filled, and kept by the caller).
+    """
+
+    def __init__(self):
+        self._flags: torch.Tensor | None = None
+
+    def isin(self, idx: torch.Tensor, members: torch.Tensor, numel: int) -> torch.Tensor:
+        """Bool mask over ``idx``: True where the index is one of ``members``."""
+        return self.isin_many([idx], members, numel)[0]
+
+    def isin_many(self, idx_lists, members: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        """:meth:`isin` for several index lists against the same ``members`` (flags set once)."""
+        f = self._flags
+        if f is None or f.numel() != numel or f.device != members.device:
+            f = self._flags = torch.zeros(int(numel), dtype=torch.bool, device=members.device)
+        f[members] = True
+        hits = [f[idx] for idx in idx_lists]
+        f[members] = False
+        return hits
 
 
 # ---------------------------------------------------------------------- wire format

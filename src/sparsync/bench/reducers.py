@@ -34,6 +34,7 @@ from .patterns import GRAD_PATTERNS, heavy_tail_grads
 
 __all__ = [
     "BASELINES",
+    "REDUCER_BASELINES",
     "RESIDUAL_MODES",
     "bench_grads",
     "collective_fn",
@@ -92,24 +93,43 @@ def time_reducer(comm, name: str, numel: int, density: float = 0.01, steps: int 
     (outside the clock), so every call sees the same kind of input; otherwise it is kept between
     calls (the steady state training sees).
     """
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     reducer = make_reducer(name, comm, density=density, **options)
     source = _grad_source(grads, comm, int(numel), seed)
-    out: list[dict] = []
-    for step in range(warmup + steps):
-        g = source(step)
+    grad = None
+
+    def before(step):
+        nonlocal grad
+        grad = source(step)
         if reset_residual and reducer.residual is not None:
             reducer.residual.zero_()
+
+    def record(step, wall, _result):
+        rec = dict(reducer.stats)
+        rec.update(step=step, wall_s=wall, reducer=name)
+        return rec
+
+    return _timed_steps(comm, lambda: reducer.reduce(grad), steps, warmup, record, before)[0]
+
+
+def _timed_steps(comm, call, steps: int, warmup: int, record, before=None):
+    """The one timing loop of this module: ``warmup + steps`` calls of ``call()``, each after
+    ``before(step)`` (untimed) and a barrier (the ranks start together), timed on this rank with
+    the device synchronised; returns ``([record(i, wall_s, result) for the timed steps], last result)``."""
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
+    out, result = [], None
+    for step in range(warmup + steps):
+        if before is not None:
+            before(step)
         comm.barrier()
         t0 = time.perf_counter()
-        reducer.reduce(g)
+        result = call()
+        if comm.device.type == "cuda":
+            torch.cuda.synchronize(comm.device)
         wall = time.perf_counter() - t0
         if step >= warmup:
-            rec = dict(reducer.stats)
-            rec.update(step=step - warmup, wall_s=wall, reducer=name)
-            out.append(rec)
-    return out
+            out.append(record(step - warmup, wall, result))
+    return out, result
 
 
 def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None = None,
@@ -160,34 +180,37 @@ def _plain_allgather(comm, sv: SparseVec) -> Callable[[], torch.Tensor]:
     return call
 
 
-def time_collective(comm, algorithm: str, sv: SparseVec | None, steps: int = 5, warmup: int = 2,
+def time_collective(comm, algorithm: str, sv, steps: int = 5, warmup: int = 2,
                     numel: int | None = None, check: bool = False, **options) -> list[dict]:
     """Per-step wall time and ledger cost of a lossless all-reduce on this rank.
 
     ``algorithm`` is a name registered in :mod:`sparsync.collectives` (called directly under its
-    ledger phase, no input check, so only the algorithm is timed) or ``"dense"`` (``comm.allreduce``
-    of a dense vector of ``sv.numel`` - or ``numel`` - elements). With ``check=True`` the last
-    step's record carries ``digest`` (hash of the output bytes) and ``out_nnz``.
+    ledger phase, no input check, so only the algorithm is timed) or a baseline of
+    :func:`collective_fn` (``"dense"``: ``comm.allreduce`` of a dense vector of ``sv.numel`` - or
+    ``numel`` - elements). ``sv``: a SparseVec, or a list of them used in turn (step ``i`` runs
+    input ``i % len``: issue 11's alternated inputs). With ``check=True`` the last step's record
+    carries ``digest`` (hash of the output bytes) and ``out_nnz``.
     """
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
-    call = collective_fn(comm, algorithm, sv, numel=numel, **options)
-    records: list[dict] = []
-    result = None
-    for step in range(warmup + steps):
-        comm.barrier()
-        snap = comm.ledger.snapshot()
-        t0 = time.perf_counter()
+    svs = sv if isinstance(sv, (list, tuple)) else [sv]
+    calls = [collective_fn(comm, algorithm, x, numel=numel, **options) for x in svs]
+    step_no = 0
+    snap = None
+
+    def before(step):
+        nonlocal snap, step_no
+        snap, step_no = comm.ledger.snapshot(), step
+
+    def phased():
         with comm.phase(algorithm):
-            result = call()
-        if comm.device.type == "cuda":
-            torch.cuda.synchronize(comm.device)
-        wall = time.perf_counter() - t0
-        if step >= warmup:
-            cost = comm.ledger.since(snap)
-            records.append({"step": step - warmup, "algorithm": algorithm, "total_s": wall, "wall_s": wall,
-                                "bytes_sent": cost["bytes_sent"], "bytes_received": cost["bytes_received"],
-                                "messages": cost["messages_sent"], "rounds": cost["rounds"]})
+            return calls[step_no % len(calls)]()
+
+    def record(step, wall, _result):
+        cost = comm.ledger.since(snap)
+        return {"step": step, "algorithm": algorithm, "total_s": wall, "wall_s": wall,
+                "bytes_sent": cost["bytes_sent"], "bytes_received": cost["bytes_received"],
+                "messages": cost["messages_sent"], "rounds": cost["rounds"]}
+
+    records, result = _timed_steps(comm, phased, steps, warmup, record, before)
     if check and records:
         records[-1]["digest"] = digest(result)
         records[-1]["out_nnz"] = int(result.nnz if isinstance(result, SparseVec)
@@ -233,14 +256,41 @@ def bench_grads(pattern: str, rank: int, numel: int, seed: int, steps: int, devi
     raise ValueError(f"unknown gradient pattern {pattern!r}; choose one of {', '.join(GRAD_PATTERNS)}")
 
 
+#: baseline rows of :func:`run_reducer_bench` -> the :func:`collective_fn` baseline they time
+REDUCER_BASELINES = {"allreduce": "dense", "plain_allgather": "plain_allgather"}
+
+
+def _baseline_records(comm, baseline, grads, numel, density, steps, warmup):
+    """Timed records of a baseline row: ``"allreduce"`` (the bare in-place gloo all-reduce of a dense
+    vector of ``numel``) or ``"plain_allgather"`` (issue 11's hand-written reference on the exact
+    top-k of each of this rank's gradients, indices precomputed, inputs used in turn)."""
+    from ..select.topk import k_for_density, topk_abs
+
+    algo = REDUCER_BASELINES[baseline]
+    if algo == "dense":
+        svs = None
+    else:
+        k = k_for_density(numel, density)
+        svs = [SparseVec(*topk_abs(g, k), numel, check=False) for g in grads]
+    recs = time_collective(comm, algo, svs, steps=steps, warmup=warmup, numel=numel)
+    nnz = numel if svs is None else svs[0].nnz
+    for r in recs:
+        r.update(select_s=0.0, comm_s=r["total_s"], reducer=baseline, selected=nnz, density=nnz / numel)
+    return recs
+
+
 def _reducers_worker(comm, reducers, numel, density, steps, warmup, seed, options, label, progress,
-                     pattern="normal", residuals=("keep",)):
+                     pattern="normal", residuals=("keep",), baselines=()):
     out = {}
     grads = bench_grads(pattern, comm.rank, numel, seed, steps + warmup, comm.device)
     for mode in residuals:
-        for name in reducers:
-            out[name, mode] = time_reducer(comm, name, numel, density, steps=steps, warmup=warmup, seed=seed,
-                                           grads=grads, reset_residual=mode == "reset", **options.get(name, {}))
+        for name in list(baselines) + list(reducers):
+            if name in REDUCER_BASELINES:
+                out[name, mode] = _baseline_records(comm, name, grads, numel, density, steps, warmup)
+            else:
+                out[name, mode] = time_reducer(comm, name, numel, density, steps=steps, warmup=warmup, seed=seed,
+                                               grads=grads, reset_residual=mode == "reset",
+                                               **options.get(name, {}))
             if progress and comm.rank == 0:
                 t = sorted(r["total_s"] for r in out[name, mode])
                 print(f"  [{label} P={comm.world_size}] n={numel:.3g} density={density:g} {name} "
@@ -271,9 +321,13 @@ RESIDUAL_MODES = ("keep", "reset")
 
 def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback",), steps=5, warmup=2,
                       seed=0, options=None, timeout=600.0, fallback_loopback=False, progress=True,
-                      pattern="normal", residuals=("keep",)) -> list[dict]:
+                      pattern="normal", residuals=("keep",), baselines=()) -> list[dict]:
     """One row per (network, P, residual mode, reducer): medians of select/comm/total (max over
-    ranks), bytes, achieved density and ``speedup`` (dense total / total). Gradients
+    ranks), bytes, achieved density and ``speedup`` (reference total / total; the reference is the
+    ``allreduce`` baseline row when requested, else the ``dense`` reducer).
+    ``baselines``: rows timed in the same process group before the reducers
+    (:data:`REDUCER_BASELINES`: ``allreduce`` = the bare gloo all-reduce, ``plain_allgather`` = issue
+    11's plain all-gather reference on the exact top-k of the same gradients). Gradients
     (:func:`bench_grads`): ``pattern="normal"`` synthetic normal vectors (3 per rank, cycled: selection
     sees realistic magnitudes but not a real model's) or ``"heavy_tail"`` (issue 11's workload).
     ``residuals``: ``"keep"`` (error feedback carried between calls, the steady state) and/or
@@ -287,6 +341,9 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
     from ..launch import run_local
 
     reducers = expand_reducers(reducers)
+    bad = [b for b in baselines if b not in REDUCER_BASELINES]
+    if bad:
+        raise ValueError(f"unknown baselines {', '.join(bad)}; valid: {', '.join(REDUCER_BASELINES)}")
     rows = []
     for network in networks:
         for P in world_sizes:
@@ -297,16 +354,17 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
                 label = network_label(network, net)
                 per_rank = run_local(_reducers_worker, P, reducers, int(numel), float(density), steps, warmup,
                                      seed, options or {}, label, progress, pattern, tuple(residuals),
-                                     backend="gloo", timeout=timeout, placement=net.placement)
+                                     tuple(baselines), backend="gloo", timeout=timeout, placement=net.placement)
             for mode in residuals:
                 group = []
-                for name in reducers:
+                for name in list(baselines) + reducers:
                     s = summarize([r[name, mode] for r in per_rank])
                     row = {"network": label, "world_size": P, "numel": int(numel), "pattern": pattern,
                            "residual": mode, "target_density": float(density), "reducer": name}
                     row.update({k: v for k, v in s.items() if k not in ("world_size",)})
                     group.append(row)
-                dense = next((r["total_s"] for r in group if r["reducer"] == "dense"), None)
+                ref = "allreduce" if "allreduce" in baselines else "dense"
+                dense = next((r["total_s"] for r in group if r["reducer"] == ref), None)
                 for r in group:
                     r["speedup"] = dense / r["total_s"] if dense and r.get("total_s") else None
                 rows += group

@@ -29,14 +29,15 @@ from .registry import register
 
 
 @register("allgather")
-def allgather(sv: SparseVec, comm, dense: bool = False, **_):
-    """Exact sum of every rank's ``sv``: a dense tensor with ``dense=True``, else a payload
-    (SparseVec while the union is smaller than dense)."""
+def allgather(sv: SparseVec, comm, dense: bool = False, out: torch.Tensor | None = None, **_):
+    """Exact sum of every rank's ``sv``: a dense tensor with ``dense=True`` (summed into ``out``, a
+    zero-filled buffer of ``sv.numel`` elements, when given), else a payload (SparseVec while the
+    union is smaller than dense)."""
     bufs = comm.allgatherv(encode(sv))
     payloads = [decode(b, sv.numel, sv.dtype) for b in bufs]
     acc_dtype = torch.promote_types(sv.dtype, torch.float32)  # half values on the wire: sum in fp32
     if dense:
-        return sum_in_rank_order(payloads, sv.numel, acc_dtype, sv.device)
+        return sum_in_rank_order(payloads, sv.numel, acc_dtype, sv.device, out=out)
     return sum_streams(payloads, sv.numel, acc_dtype, sv.device)
 
 

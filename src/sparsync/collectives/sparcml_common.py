@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ..recycle import recycled
 from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
                       sum_streams)
 
@@ -391,16 +392,21 @@ def ring_allgather_dense(comm, f: Fold, mine, bounds: list[int], pos_of_vrank, d
     ``m`` (no fold, identity placement, :func:`padded_bounds`) that buffer is the result; otherwise
     the pieces are put together in piece order (one copy). Ledger (ring): ``P-1`` rounds,
     ``(P-1)*m*isize`` bytes received.
+
+    Both buffers are recycled across calls (:func:`sparsync.recycle.recycled`, a pool kept on the
+    comm): no fresh ``N``-element allocation and its page faults per call; a result the caller
+    still holds is never reused.
     """
     sizes = [bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)]
     m = max(sizes)
-    buf = torch.zeros(m, dtype=dtype, device=device)
+    pool = comm.__dict__.setdefault("_dense_allgather_pool", [])  # [send buffer, results ...]
+    buf = recycled(pool, m, dtype, device, zero=True, keep=4)
     if f.active:
         if isinstance(mine, SparseVec):
             buf[mine.indices] = mine.values
         else:
             buf[: mine.numel()] = mine
-    out = torch.empty(comm.world_size * m, dtype=dtype, device=device)
+    out = recycled(pool, comm.world_size * m, dtype, device, keep=4)  # fully written by the all-gather
     comm.allgather_into(buf, out)
     if f.e == 0 and all(pos_of_vrank(v) == v for v in range(f.Pp)) and all(s == m for s in sizes[:-1]):
         return out[: bounds[-1] - bounds[0]]

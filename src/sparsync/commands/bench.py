@@ -97,7 +97,8 @@ def _reducers(args) -> int:
         rows = run_reducer_bench(reducers, args.workers, args.numel, args.density,
                                  args.bandwidth, steps=args.steps, warmup=args.warmup,
                                  seed=args.seed, timeout=args.timeout, fallback_loopback=args.fallback_loopback,
-                                 progress=not args.quiet, pattern=args.pattern, residuals=args.residual)
+                                 progress=not args.quiet, pattern=args.pattern, residuals=args.residual,
+                                 baselines=args.baselines or ())
     except ValueError as e:
         raise UsageError(str(e)) from None
     except ClusterUnavailable as e:
@@ -155,5 +156,9 @@ def register(subparsers) -> None:
     r.add_argument("--residual", type=NAMES, default="keep",
                    help="comma list of 'keep' (residual carried between calls, steady state) and 'reset' "
                         "(residual zeroed before every call); one table block per mode (default keep)")
+    r.add_argument("--baselines", type=NAMES, default=None,
+                   help="comma list of rows timed in the same run before the reducers: 'allreduce' (the bare "
+                        "gloo all_reduce; then the 'vs dense' column is relative to it) and/or "
+                        "'plain_allgather' (issue 11's plain all-gather + index_add_ of the exact top-k)")
     r.set_defaults(func=_reducers)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

@@ -50,6 +50,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..recycle import recycled
 from ..select.topk import check_density
 
 __all__ = ["Reducer", "IndexedSum", "NONFINITE_POLICIES", "VALUE_DTYPES"]
@@ -59,14 +60,6 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # codes
 #: ``value_dtype`` option -> dtype of the transmitted values (None: the gradient's own dtype)
 VALUE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _FP16_MAX = 65504.0  # largest finite float16: larger magnitudes are sent saturated, the rest kept
-
-
-def _storage_use_count(t: torch.Tensor) -> int | None:
-    """References to ``t``'s storage (tensors, views, aliases); None when torch cannot tell."""
-    try:
-        return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-    except Exception:  # noqa: BLE001 - private API: without it, never recycle
-        return None
 
 
 class IndexedSum(NamedTuple):
@@ -298,19 +291,7 @@ class Reducer:
         """:meth:`zeros_output` without the zero fill (``zero=False``): for a result that is fully
         overwritten (the dense reducer copies the gradient in and all-reduces in place)."""
         pool = self.__dict__.setdefault("_output_pool", [])  # [(buffer, its own storage count)]
-        device = torch.device(device)
-        for i, (buf, own) in enumerate(pool):
-            if (own is not None and buf.numel() == numel and buf.dtype == dtype and buf.device == device
-                    and _storage_use_count(buf) == own):
-                pool.append(pool.pop(i))  # most recently used last
-                return (buf.zero_() if zero else buf).view(-1)
-        buf = (torch.zeros if zero else torch.empty)(int(numel), dtype=dtype, device=device)
-        own = _storage_use_count(buf)
-        if own is not None:
-            pool.append((buf, own))
-            while len(pool) > max(0, int(self.output_pool_size)):
-                pool.pop(0)
-        return buf.view(-1)
+        return recycled(pool, numel, dtype, device, zero=zero, keep=self.output_pool_size)
 
     def check_finite(self, values: torch.Tensor) -> None:
         """Raise FloatingPointError (rank and step named) on NaN/Inf, unless ``nonfinite="ignore"``.

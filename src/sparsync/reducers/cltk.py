@@ -8,6 +8,10 @@ and keeps the rest as residual (conserving: whatever a rank did not send stays i
 No build-up (exactly ``k`` entries), but the other ranks wait while the leader selects, and their
 own large entries wait until a leader picks them.
 
+Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
+(:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the leader's exact top-k kernel
+(leader only), one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
+
 Why: the comparison point of the MiCRO paper for "no build-up, but selection-bound".
 
 Cost (binomial-tree broadcast of ``k`` indices, ring all-reduce of ``k`` values; per rank)::
@@ -62,7 +66,7 @@ class CLTKReducer(BufferedAccumulator, Reducer):
                 sent, vals = self.allreduce_wire_values(acc[idx])
         with self.timed("update"):
             self.keep_unsent(acc, idx, sent)
-            out = torch.zeros(self.numel, dtype=acc.dtype, device=acc.device)
+            out = self.zeros_output(self.numel, acc.dtype, acc.device)  # recycled: no page faults
             out.index_copy_(0, idx, vals)
         self.stats.update(selected=k, leader=leader)
         return out

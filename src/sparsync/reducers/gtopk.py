@@ -9,6 +9,13 @@ so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units
 :meth:`GTopkReducer.table_cost`); per rank the ledger shows half of that at most: rank 0 receives
 ``log2 P * k`` pairs in the reduction (:meth:`GTopkReducer.predicted_cost`, exact).
 
+Passes over the ``n`` entries per call (the rest is ``O(k log P)``): ``acc = grad + residual`` into a
+recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
+kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
+The global-set test of ``residuals="partial"`` goes through a persistent flag vector
+(:class:`~sparsync.sparse.IndexFlags`), the merges through one stable sort of ``2k`` entries
+(:func:`sparsync.sparse.coalesce_in_order`).
+
 Residuals: ``residuals="partial"`` (default, the gTop-k paper's rule): local residual plus the locally
 selected values whose index is not in the global top-k set (end-procedure); values dropped at a merge
 at an index that survives elsewhere are lost, so it is not conserving. ``residuals="global"``: the
@@ -22,13 +29,19 @@ import torch
 from ..spardl.blocksel import topk_det
 from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
+from ..sparse import IndexFlags
 from .base import Reducer
+from .micro import BufferedAccumulator
 from .registry import register
 from .topkdsa import select_topk
 
 
 @register("gtopk")
-class GTopkReducer(Reducer):
+class GTopkReducer(BufferedAccumulator, Reducer):
+    #: the default instance (``residuals="partial"``) is not conserving; ``residuals="global"`` is
+    #: (set per instance in ``__init__``)
+    conserving = False
+
     def __init__(self, comm, density=0.01, residuals="partial", **rest):
         super().__init__(comm, density=density, **rest)
         P = comm.world_size
@@ -38,6 +51,7 @@ class GTopkReducer(Reducer):
             raise ValueError(f"gtopk residuals must be 'partial' or 'global', got {residuals!r}")
         self.residuals = residuals
         self._scratch: dict = {}
+        self._global_set = IndexFlags()
         self.conserving = residuals == "global"
 
     def _reduce(self, grad):
@@ -65,7 +79,7 @@ class GTopkReducer(Reducer):
                         got = comm.recv(w + step, numel=k * pb, dtype=torch.uint8)
                     with self.timed("select"):
                         pi, pv = unpack(got, 1, k, grad.dtype)
-                        si, sv = coalesce(torch.cat([idx, pi[0]]), torch.cat([vals, pv[0]]))
+                        si, sv = coalesce(torch.cat([idx, pi[0]]), torch.cat([vals, pv[0]]), self.numel)
                         ki, kv, di, dv = topk_det(si, sv, k)
                         drops.append((di, dv))
                         idx, vals = pad_to(ki, kv, k)
@@ -75,11 +89,11 @@ class GTopkReducer(Reducer):
             buf = comm.broadcast(buf, 0) if P > 1 else buf
         with self.timed("select"):
             fi, fv = unpack(buf, 1, k, grad.dtype)
-            out = torch.zeros(self.numel, dtype=grad.dtype, device=grad.device)
+            out = self.zeros_output(self.numel, grad.dtype, grad.device)  # recycled: no page faults
             out.index_add_(0, fi[0], fv[0])
             if self.residuals == "partial":
                 # own selected values that did not make it into the global set go back
-                back = ~torch.isin(own_idx, fi[0])
+                back = ~self._global_set.isin(own_idx, fi[0], self.numel)
                 acc[own_idx[back]] += own_vals[back]
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)

@@ -15,6 +15,11 @@ Cost (ring all-gather, per rank; ``c_r`` entries selected by rank ``r``)::
 
     rounds = P - 1,   bytes_received = (P - 1) * max_r (8 + min(c_r (index_bytes + value_bytes), n value_bytes))
 
+Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
+(:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the threshold kernel, one zero
+fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`), plus one pass per
+rank whose stream travels dense (when its selection is over the sparse/dense break-even).
+
 Options: ``threshold`` (default ``1/(2 sqrt(k))`` with ``k = density * n``, as the reference
 snapshot; the density is used for nothing else), ``reuse_buffers`` (see :mod:`.micro`).
 
@@ -65,7 +70,8 @@ class HardThresholdReducer(BufferedAccumulator, Reducer):
         with self.timed("comm"):
             bufs = self.comm.allgatherv(encode(SparseVec(idx, vals, self.numel, check=False)))
             payloads = [decode(b, self.numel, vals.dtype) for b in bufs]
-            out = sum_in_rank_order(payloads, self.numel, acc.dtype, acc.device)
+            out = sum_in_rank_order(payloads, self.numel, acc.dtype, acc.device,
+                                    out=self.zeros_output(self.numel, acc.dtype, acc.device))
         gathered = sum(p.nnz if isinstance(p, SparseVec) else int(torch.count_nonzero(p)) for p in payloads)
         self.stats.update(selected=int(idx.numel()), gathered=gathered, threshold=self.threshold)
         return out

@@ -32,6 +32,11 @@ global selection (end-procedure, "put back"). Here this is conserving: an index 
 globally with the full sum of every rank's contribution (regions are disjoint, nothing is re-selected
 inside a region) or dropped entirely, and then every contributor gets its own value back.
 
+Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
+recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
+kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
+the global-set test goes through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`).
+
 Cost (data phases): ``alltoallv`` ``P-1`` rounds + ring ``allgatherv`` ``P-1`` rounds (Table I:
 ``2(P + log P)``); bytes about ``4(P-1)/P k`` units, within Table I's ``[2(P-1)/P k, 6(P-1)/P k]``.
 Sizes are data dependent: headers are paid (``alltoallv`` counts, ``allgatherv`` counts).
@@ -44,7 +49,9 @@ from __future__ import annotations
 import torch
 
 from ..spardl.wire import pack, pair_bytes, unpack
+from ..sparse import IndexFlags, coalesce_in_order
 from .base import Reducer
+from .micro import BufferedAccumulator
 from .registry import register
 from .topkdsa import select_topk
 
@@ -62,7 +69,7 @@ _TH_BINS = 1024
 
 
 @register("oktopk")
-class OkTopkReducer(Reducer):
+class OkTopkReducer(BufferedAccumulator, Reducer):
     def __init__(self, comm, density=0.01, recompute_every=1, balance_every=64, **rest):
         super().__init__(comm, density=density, **rest)
         if int(recompute_every) < 1 or int(balance_every) < 1:
@@ -73,6 +80,7 @@ class OkTopkReducer(Reducer):
         self.th_global: float | None = None
         self.bounds: list[int] | None = None
         self._scratch: dict = {}
+        self._global_set = IndexFlags()
 
     def _reduce(self, grad):
         comm = self.comm
@@ -96,9 +104,7 @@ class OkTopkReducer(Reducer):
         with self.timed("select"):
             pb = pair_bytes(acc.dtype)
             lists = [unpack(x, 1, x.numel() // pb, acc.dtype) for x in got]
-            ri, inv = torch.unique(torch.cat([li[0] for li, _ in lists]), return_inverse=True)
-            rv = torch.zeros(ri.numel(), dtype=acc.dtype, device=acc.device)
-            rv.index_add_(0, inv, torch.cat([v[0] for _, v in lists]))
+            ri, rv = coalesce_in_order([li[0] for li, _ in lists], [v[0] for _, v in lists], n)  # rank order
         if recompute:
             with comm.phase("oktopk:threshold"), self.timed("comm"):
                 self.th_global = self._global_threshold(rv.abs(), k)
@@ -115,19 +121,9 @@ class OkTopkReducer(Reducer):
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
                 out[fi[0]] = fv[0]
                 fin.append(fi[0])
-            sent = idx[self._in_global_set(idx, torch.cat(fin), n)]
+            sent = idx[self._global_set.isin(idx, torch.cat(fin), n)]  # O(k), no sort
             self.keep_unsent(acc, sent)  # own values outside the global set stay (end-procedure)
         return out
-
-    def _in_global_set(self, idx: torch.Tensor, kept: torch.Tensor, n: int) -> torch.Tensor:
-        """``isin(idx, kept)`` in O(k) through a persistent all-False flag vector (no sort of k)."""
-        flags = self.__dict__.get("_flags")
-        if flags is None or flags.numel() != n or flags.device != idx.device:
-            flags = self._flags = torch.zeros(n, dtype=torch.bool, device=idx.device)
-        flags[kept] = True
-        hit = flags[idx]
-        flags[kept] = False  # all False again for the next step
-        return hit
 
     def _global_threshold(self, mags: torch.Tensor, k: int) -> float:
         """The ``k``-th largest reduced magnitude over all regions, to 12 bits, from two small all-reduces.

@@ -12,6 +12,15 @@ One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d
    blocks in the same order into a dense output -> bitwise identical on all ranks.
 5. Residuals (§8): ``global`` (GRES, default, conserving), ``partial`` (PRES), ``local`` (LRES).
 
+Passes over the ``n`` entries per call (everything else is ``O(k)``): ``A = grad + residual`` into
+one of two recycled work buffers, one read by the exact per-block top-k kernel (every block is
+selected once, when it is sent; the preserved block at the end), one zero fill of the recycled output
+(:meth:`~sparsync.reducers.base.Reducer.zeros_output`). The residual schemes restore only the
+touched entries (:class:`~sparsync.spardl.residuals.WorkBuffer`) and test membership in the final
+index set through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`), not by sorting.
+Before these changes a call also page-faulted a fresh ``n``-element output and sorted the index lists
+in ``isin`` (profile in ``docs/benchmarks.md``, "2026-11-22 evening").
+
 Message sizes are all known in advance (``kb``/``L`` pairs per block, ``h`` per B-SAG item), so no size
 header travels. Per rank, with ``c = 4 + value_bytes`` bytes per pair (int32 block-local indices)::
 
@@ -43,6 +52,7 @@ from ..spardl.residuals import RESIDUAL_MODES, WorkBuffer
 from ..spardl.srs import spar_reduce_scatter
 from ..spardl.teams import b_sag, r_sag
 from ..spardl.wire import pack, unpack
+from ..sparse import IndexFlags
 from .base import Reducer
 from .registry import register
 
@@ -107,6 +117,7 @@ class SparDLReducer(Reducer):
         self._controllers: dict[int, HController] = {}
         self._scratch: dict = {}  # reused selection buffers (|x|, mask), see select.exact.scratch_buffer
         self._bufs: list[torch.Tensor | None] = [None, None]  # two work buffers, alternating
+        self._final_set = IndexFlags()  # O(k) membership in the final index set (residuals)
 
     # ------------------------------------------------------------------ sizes
     def _sizes(self, d):
@@ -183,9 +194,9 @@ class SparDLReducer(Reducer):
             blocks = torch.arange(q, device=A.device)[:, None] * bs
             fpos = (torch.cat([p[0] for p in parts]) + blocks).view(-1)
             fval = torch.cat([p[1] for p in parts]).view(-1)
-            out = torch.zeros(q * bs, dtype=grad.dtype, device=grad.device)
+            out = self.zeros_output(q * bs, grad.dtype, grad.device)  # recycled: no page faults
             out.index_add_(0, fpos, fval)
-            res = work.finish(self.residuals, fpos)
+            res = work.finish(self.residuals, fpos, self._final_set)
             self.residual = res[:n]
         self.stats["selected"] = q * kb
         self.stats["teams"] = self.label(d, kind)

@@ -5,19 +5,27 @@ residual (SparCML Algorithm 2, ``spec/sparcml.md`` §7.1). Communication: the ``
 collective (``rounds = P-1``, ``(P-1)*m`` bytes each way for a wire size ``m``); the union can grow
 to ``P*k`` entries (gradient build-up). Conserving, also with ``value_dtype="fp16"|"bf16"`` (values
 rounded before sending, rounding error kept in the residual, sum in fp32).
+
+Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
+(:class:`~sparsync.reducers.micro.BufferedAccumulator`: no fresh allocation, no page faults), one
+read by the exact top-k kernel, one zero fill of the recycled output
+(:meth:`~sparsync.reducers.base.Reducer.zeros_output`); everything else is ``O(P k)``.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..collectives.allgather import allgather
 from ..select.topk import topk_abs
 from ..sparse import SparseVec
 from .base import Reducer
+from .micro import BufferedAccumulator
 from .registry import register
 
 
 @register("topka")
-class TopkAReducer(Reducer):
+class TopkAReducer(BufferedAccumulator, Reducer):
     supports_value_dtype = True  # half values on the wire, summed in fp32 by the allgather collective
     def _reduce(self, grad):
         with self.timed("select"):
@@ -27,4 +35,5 @@ class TopkAReducer(Reducer):
             self.keep_unsent(acc, idx, vals)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
-            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm, dense=True)
+            out = self.zeros_output(self.numel, torch.promote_types(vals.dtype, torch.float32), acc.device)
+            return allgather(SparseVec(idx, vals, self.numel, check=False), self.comm, dense=True, out=out)

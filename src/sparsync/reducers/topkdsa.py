@@ -11,6 +11,12 @@ is delivered exactly). Then
    stream format (:func:`sparsync.sparse.encode`), i.e. it switches to dense as soon as the sparse form
    is not smaller — the union can grow up to ``P*k`` entries per range.
 
+Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
+(:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k kernel, one write
+of the recycled dense output (:meth:`~sparsync.reducers.base.Reducer.output_buffer`); the owner's sum
+of its range is sparse (:func:`sparsync.sparse.sum_streams`, one sort of the ~``k`` received entries)
+while it is smaller than dense, so no dense scratch of ``n/P`` either.
+
 Sizes are data dependent, so both phases pay the ledger's size header (one int64 per message) and each
 stream item carries its own 8-byte count. Cost: rounds ``(P-1) + ceil(log2 P)`` (Table I says
 ``P + 2 log P``); bytes in ``[4(P-1)/P k, (P-1)/P (2k+n)]`` units (index and value 4 bytes each) plus
@@ -23,8 +29,9 @@ import torch
 
 from ..select.exact import topk_indices
 from ..spardl.bruck import bruck_rounds
-from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for
+from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for, sum_streams
 from .base import Reducer
+from .micro import BufferedAccumulator
 from .registry import register
 
 
@@ -45,7 +52,7 @@ def _item_len(buf: torch.Tensor, start: int, numel: int, vb: int) -> int:
 
 
 @register("topkdsa")
-class TopkDSAReducer(Reducer):
+class TopkDSAReducer(BufferedAccumulator, Reducer):
     def __init__(self, comm, density=0.01, **rest):
         super().__init__(comm, density=density, **rest)
         self._scratch: dict = {}
@@ -69,19 +76,14 @@ class TopkDSAReducer(Reducer):
             with self.timed("comm"):
                 sends = {j: encode(parts[j]) for j in range(P) if j != w}
                 got = comm.exchange(sends, {j: torch.uint8 for j in range(P) if j != w}) if P > 1 else {}
-            with self.timed("select"):
-                mine = torch.zeros(hi - lo, dtype=acc.dtype, device=acc.device)
-                for j in range(P):  # rank order: identical sums everywhere
-                    pj = parts[w] if j == w else decode(got[j], hi - lo, acc.dtype)
-                    if isinstance(pj, SparseVec):
-                        mine.index_add_(0, pj.indices, pj.values)
-                    else:
-                        mine += pj
-                item = encode(SparseVec.from_dense(mine))
+            with self.timed("select"):  # rank order: identical sums everywhere; sparse while it is smaller
+                mine = sum_streams([parts[w] if j == w else decode(got[j], hi - lo, acc.dtype) for j in range(P)],
+                                   hi - lo, acc.dtype, acc.device)
+                item = encode(mine)
         with comm.phase("topkdsa:allgather"):
             items = self._bruck_var(item, [bounds[j + 1] - bounds[j] for j in range(P)], acc.dtype)
         with self.timed("select"):
-            out = torch.empty(n, dtype=acc.dtype, device=acc.device)
+            out = self.output_buffer(n, acc.dtype, acc.device)  # recycled; every range is written below
             for j in range(P):
                 pj = decode(items[j], bounds[j + 1] - bounds[j], acc.dtype)
                 seg = out[bounds[j]:bounds[j + 1]]

@@ -23,6 +23,11 @@ gradients are gathered into its flat buffer, checked, passed through the converg
 At the end of backward (a callback queued on the autograd engine), parameters that got no gradient
 contribute zeros, the engine waits for every group, applies the guard's decision and writes
 ``sum / P`` into the flat buffers (``.grad`` views).
+
+Two cheap paths (issue 10): a policy with ``reads_parts`` (momentum correction) reads the
+per-parameter gradients itself, so nothing is gathered; a reducer with ``indexed_output`` returns an
+:class:`~sparsync.reducers.base.IndexedSum` and the write-back clears only last step's non-zeros
+(:meth:`GradBuffers.write_indexed`), instead of a zero-filled dense output and a divide pass.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sparse import IndexFlags
+
 __all__ = ["RESIDUAL_MODES", "WorkBuffer"]
 
 RESIDUAL_MODES = ("global", "partial", "local")
@@ -48,18 +50,25 @@ class WorkBuffer:
         self._saved.append((pos, self.flat[pos]))
         self.flat.index_add_(0, pos, vals.to(self.flat.dtype))
 
-    def finish(self, mode: str, final_pos: torch.Tensor) -> torch.Tensor:
-        """The new residual (padded length) for ``mode``; ``final_pos`` = flat positions of ``I``."""
+    def finish(self, mode: str, final_pos: torch.Tensor, members: IndexFlags | None = None) -> torch.Tensor:
+        """The new residual (padded length) for ``mode``; ``final_pos`` = flat positions of ``I``.
+
+        ``members``: an :class:`~sparsync.sparse.IndexFlags` the caller keeps across steps, for the
+        O(k) membership tests in ``I`` (a fresh one - one zero fill of the buffer's length - otherwise).
+        """
         X = self.flat
+        members = members or IndexFlags()
         if mode == "global":
-            for pos, old in reversed(self._saved):
-                out = ~torch.isin(pos, final_pos)
+            saved = self._saved[::-1]
+            hits = members.isin_many([pos for pos, _ in saved], final_pos, X.numel())
+            for (pos, old), hit in zip(saved, hits):
+                out = ~hit
                 X[pos[out]] = old[out]
             return X
         for pos, old in reversed(self._saved):
             X[pos] = old
         own = torch.cat(self._own) if self._own else final_pos[:0]
         if mode == "partial":
-            own = own[torch.isin(own, final_pos)]
+            own = own[members.isin(own, final_pos, X.numel())]
         X[own] = 0
         return X

@@ -12,9 +12,10 @@ B-SAG: keep the top-``h`` of the held block (``h`` from Algorithm 2, :mod:`.cont
 rest in ``R`` in full, Bruck all-gather the ``h``-pair lists inside the group, sum them in canonical
 team order, keep the top-``L`` and store ``1/d`` of the discard on every member.
 
-Sums use ``torch.unique`` + ``index_add_`` over the concatenation in team order: on CPU ``index_add_``
-accumulates sequentially in input order, so every member computes bitwise the same sum (on CUDA only
-two-operand sums are order-free; B-SAG with ``d >= 3`` on GPU would need a sorted segment sum).
+Sums use a stable sort + ``index_add_`` over the concatenation in team order
+(:func:`sparsync.sparse.coalesce_in_order`): on CPU ``index_add_`` accumulates sequentially in input
+order, so every member computes bitwise the same sum (on CUDA only two-operand sums are order-free;
+B-SAG with ``d >= 3`` on GPU would need a sorted segment sum).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from .blocksel import topk_det
 from .bruck import bruck_allgather
+from ..sparse import coalesce_in_order
 from .wire import pack, pair_bytes, unpack
 
 __all__ = ["b_sag", "coalesce", "pad_to", "r_sag"]
@@ -34,12 +36,10 @@ def _null(_key):
     return contextlib.nullcontext()
 
 
-def coalesce(idx: torch.Tensor, vals: torch.Tensor):
-    """Sorted unique indices and their summed values (sequential in input order on CPU)."""
-    uniq, inv = torch.unique(idx, sorted=True, return_inverse=True)
-    out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device)
-    out.index_add_(0, inv, vals)
-    return uniq, out
+def coalesce(idx: torch.Tensor, vals: torch.Tensor, numel: int | None = None):
+    """Sorted unique indices and their summed values, in input order
+    (:func:`sparsync.sparse.coalesce_in_order`; ``numel``: a bound of the indices, if known)."""
+    return coalesce_in_order([idx], [vals], numel)
 
 
 def pad_to(idx: torch.Tensor, vals: torch.Tensor, c: int):
@@ -70,7 +70,7 @@ def r_sag(comm, idx, vals, L: int, group: list[int], team: int, work, block: int
                 ci, cv = torch.cat([idx, pi]), torch.cat([vals, pv])
             else:
                 ci, cv = torch.cat([pi, idx]), torch.cat([pv, vals])
-            si, sv = coalesce(ci, cv)
+            si, sv = coalesce(ci, cv, work.bs)
             ki, kv, di, dv = topk_det(si, sv, L)
             work.add(base + di, dv * (2.0 ** -(t + 1)))
             idx, vals = pad_to(ki, kv, L)
@@ -83,7 +83,7 @@ def b_sag(comm, idx, vals, L: int, h: int, group: list[int], team: int, work, bl
     d = len(group)
     base = block * work.bs
     with timed("select"):
-        si, sv = coalesce(idx, vals)
+        si, sv = coalesce(idx, vals, work.bs)
         ki, kv, di, dv = topk_det(si, sv, h)
         work.add(base + di, dv)
         item = pack(*pad_to(ki, kv, h))
@@ -91,7 +91,7 @@ def b_sag(comm, idx, vals, L: int, h: int, group: list[int], team: int, work, bl
         items = bruck_allgather(comm, item, group, team)
     with timed("select"):
         parts = [unpack(x, 1, h, vals.dtype) for x in items]  # canonical team order
-        si, sv = coalesce(torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts]))
+        si, sv = coalesce(torch.cat([p[0][0] for p in parts]), torch.cat([p[1][0] for p in parts]), work.bs)
         n_t = int((sv != 0).sum())
         ki, kv, di, dv = topk_det(si, sv, L)
         work.add(base + di, dv / d)
