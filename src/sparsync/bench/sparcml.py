@@ -98,8 +98,9 @@ def markdown(rows, algorithms=DEFAULT_ALGOS) -> str:
         sparc = [a for a in algorithms if a not in ("dense", "torch_sparse", "auto") and grp.get(a, {}).get("time_s")]
         best = min(sparc, key=lambda a: grp[a]["time_s"]) if sparc else None
         if best:
+            vs_ts = grp[best].get("speedup_vs_torch_sparse")  # absent when torch_sparse was not run
             cells += [SHORT.get(best, best), f"{grp[best].get('speedup', 0):.1f}x",
-                      f"{grp[best].get('speedup_vs_torch_sparse', 0):.1f}x"]
+                      f"{vs_ts:.1f}x" if vs_ts else "-"]
         else:
             cells += ["-", "-", "-"]
         au = grp.get("auto", {})

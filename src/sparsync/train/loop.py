@@ -243,7 +243,10 @@ def _ddp_bytes(cfg: TrainConfig, model: nn.Module) -> int:
 def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict | None,
                  record_losses: bool = True) -> dict:
     """Run one rank of a training run; rank 0 writes metrics. Returns a summary dict (with the
-    per-step losses and eval accuracies when ``record_losses``, used by the resume tests)."""
+    per-step losses and eval accuracies when ``record_losses``, used by the resume tests).
+
+    About 85 lines, on purpose: the loop reads top to bottom, and its running state (train time,
+    evaluations, time to target) is shared with the checkpoint closure."""
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, P = comm.rank, comm.world_size
     if P != cfg.workers:
@@ -260,17 +263,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     opt = _make_optimizer(cfg, model)
     rd = RunDir(run_path) if run_path else None
 
-    start, train_time, evals, time_to_target = 0, 0.0, [], None
-    if resume_info:
-        blob = load_checkpoint(Path(resume_info["dir"]) / f"rank{rank}.pt", cfg, rank)
-        model.load_state_dict(blob["model"])
-        opt.load_state_dict(blob["optimizer"])
-        if blob.get("engine") is not None and hasattr(ddp, "load_state_dict") and not cfg.is_torch_ddp:
-            ddp.load_sparsync_state_dict(blob["engine"])
-        start = int(blob["step"])
-        train_time = float(blob["loop"]["train_time"])
-        evals = list(blob["loop"]["evals"])
-        time_to_target = blob["loop"]["time_to_target"]
+    start, train_time, evals, time_to_target = _resume(resume_info, cfg, rank, model, opt, ddp)
 
     def checkpoint(step):
         if rd is None:
@@ -284,11 +277,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             rd.mark_latest(step, keep=cfg.keep_checkpoints)
 
     metrics_f = open(rd.path / "metrics.jsonl", "a") if (rd is not None and rank == 0) else None  # noqa: SIM115
-    bar = None
-    if cfg.progress and rank == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=cfg.steps, initial=start, desc=cfg.label(), unit="step", leave=True, dynamic_ncols=True)
+    bar = _progress_bar(cfg, start) if (cfg.progress and rank == 0) else None
     losses, rows = [], []
     comm.barrier()
     last_acc = evals[-1]["accuracy"] if evals else None
@@ -309,24 +298,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             lv = float(loss.detach())
             if not math.isfinite(lv):
                 raise FloatingPointError(f"loss became {lv} at step {step}; lower --lr or check the reducer")
-            rec = {"step": step, "loss": lv, "time_s": train_time, "step_s": step_s, "forward_s": t1 - t0,
-                   "backward_s": t2 - t1, "optimizer_s": t3 - t2}
-            if cfg.is_torch_ddp:
-                nb = _ddp_bytes(cfg, model)
-                rec.update(bytes_sent=nb, bytes_received=nb,
-                           density=1.0, selected=numel, numel=numel, compute_s=None)
-            else:
-                st = dict(getattr(ddp, "last_stats", {}) or {})
-                for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
-                          "numel", "density", "groups", *_BREAKDOWN_KEYS, *(k for k in st if k.startswith("reducer_"))):
-                    if k in st:
-                        v = st[k]
-                        if not (isinstance(v, (int, float)) or v is None):
-                            v = len(v) if hasattr(v, "__len__") else str(v)
-                        rec[k] = v
-                bc = st.get("backward_s")
-                rec["backward_compute_s"] = bc
-                rec["compute_s"] = (t1 - t0) + (t3 - t2) + (bc if bc is not None else (t2 - t1))
+            rec = _step_record(cfg, model, ddp, numel, step, lv, train_time, (t0, t1, t2, t3))
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 ev = wl.evaluate(model)
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
@@ -340,12 +312,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
                 metrics_f.write(json.dumps(rec) + "\n")
                 metrics_f.flush()
             if bar is not None:
-                post = {"loss": f"{lv:.3f}", "acc": "-" if last_acc is None else f"{last_acc:.3f}",
-                        "step_ms": f"{1e3 * step_s:.0f}"}
-                if "comm_s" in rec:
-                    post.update(sel_ms=f"{1e3 * rec.get('select_s', 0):.0f}", comm_ms=f"{1e3 * rec['comm_s']:.0f}",
-                                wait_ms=f"{1e3 * rec.get('wait_s', 0) or 0:.0f}")
-                bar.set_postfix(post, refresh=False)
+                bar.set_postfix(_progress_fields(rec, last_acc), refresh=False)
                 bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 checkpoint(step + 1)
@@ -365,6 +332,60 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     if record_losses:
         summary["losses"] = losses
     return summary
+
+
+def _resume(resume_info, cfg, rank, model, opt, ddp):
+    """``(start step, train time, evals, time to target)``: zeros for a new run, else the
+    checkpoint's loop state after loading model, optimizer and SparseDDP state from it."""
+    if not resume_info:
+        return 0, 0.0, [], None
+    blob = load_checkpoint(Path(resume_info["dir"]) / f"rank{rank}.pt", cfg, rank)
+    model.load_state_dict(blob["model"])
+    opt.load_state_dict(blob["optimizer"])
+    if blob.get("engine") is not None and hasattr(ddp, "load_state_dict") and not cfg.is_torch_ddp:
+        ddp.load_sparsync_state_dict(blob["engine"])
+    loop = blob["loop"]
+    return int(blob["step"]), float(loop["train_time"]), list(loop["evals"]), loop["time_to_target"]
+
+
+def _progress_bar(cfg, start: int):
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start, desc=cfg.label(), unit="step", leave=True, dynamic_ncols=True)
+
+
+def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
+    """One line of ``metrics.jsonl``: the trainer's clock (``times`` = start, end of forward, end of
+    backward, end of the optimizer step) and, for SparseDDP, the engine's step breakdown."""
+    t0, t1, t2, t3 = times
+    rec = {"step": step, "loss": loss, "time_s": train_time, "step_s": t3 - t0, "forward_s": t1 - t0,
+           "backward_s": t2 - t1, "optimizer_s": t3 - t2}
+    if cfg.is_torch_ddp:
+        nb = _ddp_bytes(cfg, model)
+        rec.update(bytes_sent=nb, bytes_received=nb, density=1.0, selected=numel, numel=numel, compute_s=None)
+        return rec
+    st = dict(getattr(ddp, "last_stats", {}) or {})
+    for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
+              "numel", "density", "groups", *_BREAKDOWN_KEYS, *(k for k in st if k.startswith("reducer_"))):
+        if k in st:
+            v = st[k]
+            if not (isinstance(v, (int, float)) or v is None):
+                v = len(v) if hasattr(v, "__len__") else str(v)
+            rec[k] = v
+    bc = st.get("backward_s")
+    rec["backward_compute_s"] = bc
+    rec["compute_s"] = (t1 - t0) + (t3 - t2) + (bc if bc is not None else (t2 - t1))
+    return rec
+
+
+def _progress_fields(rec: dict, last_acc) -> dict:
+    """The progress bar's postfix for one step."""
+    post = {"loss": f"{rec['loss']:.3f}", "acc": "-" if last_acc is None else f"{last_acc:.3f}",
+            "step_ms": f"{1e3 * rec['step_s']:.0f}"}
+    if "comm_s" in rec:
+        post.update(sel_ms=f"{1e3 * rec.get('select_s', 0):.0f}", comm_ms=f"{1e3 * rec['comm_s']:.0f}",
+                    wait_ms=f"{1e3 * rec.get('wait_s', 0) or 0:.0f}")
+    return post
 
 
 def _close(ddp) -> None:

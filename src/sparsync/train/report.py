@@ -136,6 +136,40 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
     ax.set_yscale("log")
     _finish_time_plot(fig, ax, "training loss (rank 0, mean of the last 5 steps)", title, out_dir / "loss_vs_time.png")
 
+    _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir)
+
+    s0 = summaries[0] if summaries else {}
+    lines = [f"# {title}", ""]
+    lines += [(f"- workload `{s0.get('workload')}`, {s0.get('workers')} workers, network `{s0.get('network')}`, "
+               f"{s0.get('steps')} steps, target accuracy {target}"), ""]
+    for n in notes or []:
+        lines.append(f"- {n}")
+    if notes:
+        lines.append("")
+    lines += [format_table(table_rows(summaries)), "",
+              ("Step times are medians after 3 warm-up steps (rank 0). `select ms (mean, slowest rank)` is the "
+               "largest per-rank mean: it shows selection that happens on some steps only, e.g. CLT-k's rotating "
+               "leader. `comm` is the reducers' own time and may "
+               "overlap backward; `wait` is the communication left after backward. torch DDP rows have no split "
+               "(their all-reduce runs inside backward); their bytes are the ring all-reduce formula. "
+               "`x floor` = step time / the no-communication floor's (same model and data, gradients not "
+               "exchanged; its accuracy is rank 0's local model). "
+               "`speed-up vs dense` is in time to target; `step` marks the median step-time ratio, shown when "
+               "this run or dense did not reach the target. The same numbers as data: `comparison.csv`, "
+               "`comparison.json`."), ""]
+    for f, cap in (("accuracy_vs_time.png", "accuracy vs wall-clock"), ("loss_vs_time.png", "loss vs wall-clock"),
+                   ("step_breakdown.png", "time per step"),
+                   ("bytes_per_step.png", "bytes per step"), ("density.png", "achieved density")):
+        lines += [f"![{cap}]({f})", ""]
+    lines += ["Runs: " + ", ".join(f"`{Path(d)}`" for d in run_dirs), ""]
+    p = out_dir / "report.md"
+    p.write_text("\n".join(lines))
+    return p
+
+
+def _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir: Path) -> None:
+    """step_breakdown.png (main thread vs reducer work per configuration), bytes_per_step.png and
+    density.png (per step)."""
     # step breakdown: left bar = main thread (compute + wait), right bar = reducer work (select + comm)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     labels = [s["label"] for s in summaries]
@@ -187,34 +221,6 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
         fig.tight_layout()
         fig.savefig(out_dir / fname, dpi=110)
         plt.close(fig)
-
-    s0 = summaries[0] if summaries else {}
-    lines = [f"# {title}", ""]
-    lines += [(f"- workload `{s0.get('workload')}`, {s0.get('workers')} workers, network `{s0.get('network')}`, "
-               f"{s0.get('steps')} steps, target accuracy {target}"), ""]
-    for n in notes or []:
-        lines.append(f"- {n}")
-    if notes:
-        lines.append("")
-    lines += [format_table(table_rows(summaries)), "",
-              ("Step times are medians after 3 warm-up steps (rank 0). `select ms (mean, slowest rank)` is the "
-               "largest per-rank mean: it shows selection that happens on some steps only, e.g. CLT-k's rotating "
-               "leader. `comm` is the reducers' own time and may "
-               "overlap backward; `wait` is the communication left after backward. torch DDP rows have no split "
-               "(their all-reduce runs inside backward); their bytes are the ring all-reduce formula. "
-               "`x floor` = step time / the no-communication floor's (same model and data, gradients not "
-               "exchanged; its accuracy is rank 0's local model). "
-               "`speed-up vs dense` is in time to target; `step` marks the median step-time ratio, shown when "
-               "this run or dense did not reach the target. The same numbers as data: `comparison.csv`, "
-               "`comparison.json`."), ""]
-    for f, cap in (("accuracy_vs_time.png", "accuracy vs wall-clock"), ("loss_vs_time.png", "loss vs wall-clock"),
-                   ("step_breakdown.png", "time per step"),
-                   ("bytes_per_step.png", "bytes per step"), ("density.png", "achieved density")):
-        lines += [f"![{cap}]({f})", ""]
-    lines += ["Runs: " + ", ".join(f"`{Path(d)}`" for d in run_dirs), ""]
-    p = out_dir / "report.md"
-    p.write_text("\n".join(lines))
-    return p
 
 
 def _max_rank(s: dict, key: str):
