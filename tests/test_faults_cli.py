@@ -50,17 +50,18 @@ def test_nan_in_a_rank_is_one_line_exit_1(tmp_path, capsys):
     assert "rank " in line and ("non-finite" in line or "loss became" in line), line
 
 
-def _stop_worker(comm):
+def _signal_worker(comm, sig):
+    """Rank 1 sends itself ``sig`` at its 6th all-reduce; the others keep reducing."""
     for i in range(100_000):
         if comm.rank == 1 and i == 5:
-            os.kill(os.getpid(), signal.SIGSTOP)
+            os.kill(os.getpid(), sig)
         comm.allreduce(torch.ones(4))
 
 
 @pytest.mark.gloo
 def test_sigstopped_rank_is_named_not_the_one_that_timed_out():
     with pytest.raises(RankFailed, match=r"rank 1 of 3 stopped responding \(process stopped by SIGSTOP"):
-        ss.run_local(_stop_worker, 3, backend="gloo", timeout=4)
+        ss.run_local(_signal_worker, 3, signal.SIGSTOP, backend="gloo", timeout=4)
 
 
 def test_torchrun_survivor_names_the_lost_rank():
@@ -85,15 +86,8 @@ def test_torchrun_survivor_names_the_lost_rank():
     assert lost_peer_error(other, peers, 0) is other
 
 
-def _die_worker(comm):
-    for i in range(100_000):
-        if comm.rank == 1 and i == 5:
-            os.kill(os.getpid(), signal.SIGKILL)
-        comm.allreduce(torch.ones(4))
-
-
 @pytest.mark.gloo
 def test_killed_rank_is_named_not_the_peer_that_lost_its_connection():
     for _ in range(3):  # whichever the launcher hears first: the EOF of rank 1 or rank 0's gloo error
         with pytest.raises(RankFailed, match=r"^rank 1 of 3 died without reporting \(killed by SIGKILL\)"):
-            ss.run_local(_die_worker, 3, backend="gloo", timeout=30)
+            ss.run_local(_signal_worker, 3, signal.SIGKILL, backend="gloo", timeout=30)

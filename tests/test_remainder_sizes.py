@@ -17,6 +17,7 @@ from sparsync.bench.patterns import make_sparse
 from sparsync.collectives.registry import load_all
 from sparsync.reducers.registry import REDUCERS
 from sparsync.reducers.registry import load_all as load_reducers
+from test_sparcml_collectives import _call  # "name:recdbl" -> (name, options), one definition
 
 
 def _sizes(P):
@@ -26,14 +27,6 @@ def _sizes(P):
 def _collectives():
     names = sorted(load_all())
     return names + ["dsar_split_allgather:recdbl", "dsar_early_switch:recdbl"]
-
-
-def _call(a):
-    name, _, ag = a.partition(":")
-    opts = {"group_size": 2} if name == "dsar_early_switch" else {}
-    if ag:
-        opts["allgather"] = ag
-    return name, opts
 
 
 def _digest(t):

@@ -117,26 +117,13 @@ class GradientPolicy:
         return max(target, min(1.0, s * (target / s) ** (step / T)))
 
     def before_reduce(self, key: int, grad: torch.Tensor, reducer) -> torch.Tensor:
-        """Clip ``grad`` in place (local clipping), then fold it into the velocity (momentum
-        correction); returns what the reducer should accumulate."""
-        if self.clip is not None:
-            P = max(1, int(getattr(getattr(reducer, "comm", None), "world_size", 1)))
-            limit = self.clip / math.sqrt(P)
-            norm = float(torch.linalg.vector_norm(grad))
-            if norm > limit:  # torch.nn.utils.clip_grad_norm_'s coefficient
-                grad.mul_(limit / (norm + 1e-6))
-        if self.momentum == 0:
-            return grad
-        u = self.velocity.get(key)
-        if u is None:
-            u = self.velocity[key] = grad.detach().clone()
-            return u
-        if u.shape != grad.shape or u.dtype != grad.dtype:
-            raise ValueError(f"GradientPolicy: group {key} changed from {tuple(u.shape)} {u.dtype} to "
-                             f"{tuple(grad.shape)} {grad.dtype}; a policy belongs to one merge plan")
-        if u.device != grad.device:  # loaded from a checkpoint (kept on the CPU)
-            u = self.velocity[key] = u.to(grad.device)
-        return torch.add(grad, u, alpha=self.momentum, out=u)  # u = g + m u in one pass
+        """Clip ``grad`` (local clipping), then fold it into the velocity (momentum correction);
+        returns what the reducer should accumulate. The flat gradient is the one-part case of
+        :meth:`before_reduce_parts`."""
+        if self.momentum > 0:
+            return self.before_reduce_parts(key, [grad], [grad.numel()], grad, reducer)
+        scale = self._clip_scale([grad], reducer)
+        return grad if scale is None else grad.mul_(scale)
 
     @property
     def reads_parts(self) -> bool:
@@ -146,9 +133,10 @@ class GradientPolicy:
         return self.momentum > 0
 
     def before_reduce_parts(self, key: int, grads, numels, like: torch.Tensor, reducer=None) -> torch.Tensor:
-        """:meth:`before_reduce` on the group's gradients as separate tensors (``None``: zero),
-        laid out one after the other (``numels``; ``like`` gives dtype and device): the same
-        velocity, bit for bit, without the flat copy of the gradient."""
+        """Momentum correction on the group's gradients as separate tensors (``None``: zero), laid
+        out one after the other (``numels``; ``like`` gives dtype and device): ``u = c g + m u``
+        slice by slice of the flat velocity, ``c`` the local-clipping factor (1 when not clipped),
+        so the engine need not copy the gradients into a flat buffer first."""
         u = self.velocity.get(key)
         n = sum(numels)
         if u is None:
@@ -158,14 +146,7 @@ class GradientPolicy:
                              f"({n},) {like.dtype}; a policy belongs to one merge plan")
         elif u.device != like.device:  # loaded from a checkpoint (kept on the CPU)
             u = self.velocity[key] = u.to(like.device)
-        scale = None
-        if self.clip is not None:
-            P = max(1, int(getattr(getattr(reducer, "comm", None), "world_size", 1)))
-            limit = self.clip / math.sqrt(P)
-            sq = [torch.linalg.vector_norm(gr.reshape(-1)) ** 2 for gr in grads if gr is not None]
-            norm = float(torch.stack(sq).sum().sqrt()) if sq else 0.0
-            if norm > limit:
-                scale = limit / (norm + 1e-6)
+        scale = self._clip_scale(grads, reducer)
         off = 0
         for gr, m in zip(grads, numels):
             ui = u[off:off + m]
@@ -178,6 +159,19 @@ class GradientPolicy:
                 gi = gi * scale
             torch.add(gi, ui, alpha=self.momentum, out=ui)  # u = g + m u in one pass
         return u
+
+    def _clip_scale(self, grads, reducer) -> float | None:
+        """Local clipping: the factor that brings the gradients' joint norm to ``clip / sqrt(P)``
+        (torch.nn.utils.clip_grad_norm_'s coefficient), or None when no clipping is needed."""
+        if self.clip is None:
+            return None
+        P = max(1, int(getattr(getattr(reducer, "comm", None), "world_size", 1)))
+        limit = self.clip / math.sqrt(P)
+        norms = [torch.linalg.vector_norm(gr.reshape(-1)) for gr in grads if gr is not None]
+        if not norms:
+            return None
+        norm = float(norms[0]) if len(norms) == 1 else float(torch.linalg.vector_norm(torch.stack(norms)))
+        return limit / (norm + 1e-6) if norm > limit else None
 
     def after_reduce(self, key: int, reducer) -> None:
         """Momentum-factor masking: clear the velocity where the residual is zero (entry sent)."""

@@ -366,7 +366,8 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
         return rec
     st = dict(getattr(ddp, "last_stats", {}) or {})
     for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
-              "numel", "density", "groups", *_BREAKDOWN_KEYS, *(k for k in st if k.startswith("reducer_"))):
+              "numel", "density", "groups", *_BREAKDOWN_KEYS,
+              *(k for k in st if k.startswith("reducer_") and k not in _BREAKDOWN_KEYS)):
         if k in st:
             v = st[k]
             if not (isinstance(v, (int, float)) or v is None):
