@@ -37,10 +37,13 @@ class WorkBuffer:
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._own: list[torch.Tensor] = []
 
-    def zero_selected(self, rows: torch.Tensor, first_block: int, sel: torch.Tensor, own: bool = True):
-        """Zero ``sel`` (``[m, c]`` column indices) in rows ``first_block..`` (a view of ``blocks``)."""
+    def zero_selected(self, rows: torch.Tensor, first_block: int, sel: torch.Tensor, own: bool = True,
+                      vals: torch.Tensor | None = None):
+        """Zero ``sel`` (``[m, c]`` column indices) in rows ``first_block..`` (a view of ``blocks``).
+
+        ``vals``: ``rows.gather(1, sel)`` when the caller has it already (saves a gather)."""
         pos = (sel + (torch.arange(rows.shape[0], device=sel.device) + first_block)[:, None] * self.bs).view(-1)
-        self._saved.append((pos, self.flat[pos]))
+        self._saved.append((pos, self.flat[pos] if vals is None else vals.reshape(-1)))
         rows.scatter_(1, sel, 0)
         if own:
             self._own.append(pos)
