@@ -89,7 +89,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals = acc[idx]
+            vals = acc.index_select(0, idx)  # index_select/index_copy_: a third of [] indexing's time on CPU
             self.th_local = float(vals.abs().min()) if idx.numel() else 0.0
         self.stats["selected"] = idx.numel()
         if self.bounds is None or self.step % self.balance_every == 0:
@@ -119,7 +119,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
             fin = []
             for x in bufs:
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
-                out[fi[0]] = fv[0]
+                out.index_copy_(0, fi[0], fv[0])
                 fin.append(fi[0])
             sent = idx[self._global_set.isin(idx, torch.cat(fin), n)]  # O(k), no sort
             self.keep_unsent(acc, sent)  # own values outside the global set stay (end-procedure)
