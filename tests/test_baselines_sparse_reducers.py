@@ -112,3 +112,27 @@ def test_tiny_density_and_tiny_vectors(name):
     res = ss.run_local(_tiny, 8, name, timeout=30)  # n = 50 < ranges/blocks of 64 bins; k = 1
     assert all(k == 1 for k, _ in res)
     assert all(torch.equal(o, res[0][1][s]) for _, outs in res for s, o in enumerate(outs))
+
+
+def _cancelling(comm, n=4000, steps=3):
+    g = torch.Generator().manual_seed(11 + comm.rank)
+    r = ss.make_reducer("oktopk", comm, density=0.02)
+    errs, backs = [], []
+    for _ in range(steps):
+        base = torch.randn(n, generator=g, dtype=torch.float64)
+        base[:20] = 100.0  # 20 of the 80 largest entries of every rank: they cancel exactly across the 2 ranks
+        grad = base if comm.rank == 0 else torch.cat([-base[:20], base[20:]])
+        before = grad + (r.residual if r.residual is not None else 0)
+        out = r.reduce(grad)
+        with comm.unrecorded():
+            tot, rs = comm.allreduce(before), comm.allreduce(r.residual)
+        errs.append(float((tot - out - rs).abs().max()))
+        backs.append(bool((r.residual[:20] == before[:20]).all()) and bool((out[:20] == 0).all()))
+    return errs, backs, r.th_global
+
+
+def test_oktopk_cancelled_sums_stay_in_the_residuals():
+    """Selected entries whose sum over ranks is exactly 0 fail the global threshold (> 0): not in the
+    output, and every rank keeps its own value (what ``_in_global_set`` reads off the output)."""
+    for errs, backs, th in ss.run_local(_cancelling, 2):
+        assert th > 0 and max(errs) < 1e-12 and all(backs)

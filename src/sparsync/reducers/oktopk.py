@@ -35,7 +35,7 @@ inside a region) or dropped entirely, and then every contributor gets its own va
 Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
 recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
-the global-set test goes through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`).
+which own entries the global selection kept is read off the output (:meth:`OkTopkReducer._in_global_set`).
 
 Cost (data phases): ``alltoallv`` ``P-1`` rounds + ring ``allgatherv`` ``P-1`` rounds (Table I:
 ``2(P + log P)``); bytes about ``4(P-1)/P k`` units, within Table I's ``[2(P-1)/P k, 6(P-1)/P k]``.
@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from ..spardl.wire import pack, pair_bytes, unpack
-from ..sparse import IndexFlags, coalesce_in_order
+from ..sparse import coalesce_in_order
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -80,7 +80,6 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         self.th_global: float | None = None
         self.bounds: list[int] | None = None
         self._scratch: dict = {}
-        self._global_set = IndexFlags()
 
     def _reduce(self, grad):
         comm = self.comm
@@ -116,14 +115,24 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             out = self.zeros_output(n, acc.dtype, acc.device)  # recycled: no page faults
             self.stats["global_selected"] = sum(x.numel() for x in bufs) // pb
-            fin = []
             for x in bufs:
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
                 out.index_copy_(0, fi[0], fv[0])
-                fin.append(fi[0])
-            sent = idx[self._global_set.isin(idx, torch.cat(fin), n)]  # O(k), no sort
-            self.keep_unsent(acc, sent)  # own values outside the global set stay (end-procedure)
+            self.keep_unsent(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
         return out
+
+    def _in_global_set(self, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Bool mask over this rank's selected ``idx``: which of them the global selection kept.
+
+        With ``th_global > 0`` an index is kept iff its reduced value has ``|v| >= th_global > 0``,
+        and only kept indices are written into the zero-filled ``out`` (regions are disjoint), so
+        kept <=> ``out[i] != 0``: one gather of ``k`` entries of the output just written, no set
+        test. (A reduced sum that overflowed to inf is kept and non-zero; NaN is never kept.) With
+        ``th_global == 0`` (fewer than ``k`` entries in all regions) every entry was kept, zero sums too.
+        """
+        if not self.th_global:
+            return torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
+        return out.index_select(0, idx) != 0
 
     def _global_threshold(self, mags: torch.Tensor, k: int) -> float:
         """The ``k``-th largest reduced magnitude over all regions, to 12 bits, from two small all-reduces.
