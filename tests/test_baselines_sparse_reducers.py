@@ -136,3 +136,23 @@ def test_oktopk_cancelled_sums_stay_in_the_residuals():
     output, and every rank keeps its own value (what ``_in_global_set`` reads off the output)."""
     for errs, backs, th in ss.run_local(_cancelling, 2):
         assert th > 0 and max(errs) < 1e-12 and all(backs)
+
+
+def _threshold_step(comm, n=100_000):
+    g = torch.Generator().manual_seed(5 + comm.rank)
+    r = ss.make_reducer("oktopk", comm, density=0.01)
+    r.reduce(torch.randn(n, generator=g))  # the balancing step
+    snap = comm.ledger.snapshot()
+    r.reduce(torch.randn(n, generator=g))
+    cost = comm.ledger.since(snap)
+    return cost["rounds"], cost["bytes_received"], cost["header_messages"]
+
+
+@pytest.mark.parametrize("P", [2, 4, 5])
+def test_oktopk_threshold_step_ledger(P):
+    """Default ``recompute_every=1``: the two histogram all-gathers tell every rank each region's kept
+    count, so the final all-gather has no count round (the only headers are the ``alltoallv``'s)."""
+    pred = OkTopkReducer.predicted_cost(P, 100_000, 1000)
+    for rounds, nbytes, headers in ss.run_local(_threshold_step, P):
+        assert rounds == pred["rounds"] == 4 * (P - 1) and _within(nbytes, pred["bytes_received"])
+        assert headers == P - 1
