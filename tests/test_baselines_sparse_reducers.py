@@ -150,9 +150,31 @@ def _threshold_step(comm, n=100_000):
 
 @pytest.mark.parametrize("P", [2, 4, 5])
 def test_oktopk_threshold_step_ledger(P):
-    """Default ``recompute_every=1``: the two histogram all-gathers tell every rank each region's kept
-    count, so the final all-gather has no count round (the only headers are the ``alltoallv``'s)."""
+    """Default ``recompute_every=1``, a step after the first estimate: one histogram all-gather around
+    the previous threshold gives the threshold and every region's kept count, so the final all-gather
+    has no count round (the only headers are the ``alltoallv``'s)."""
     pred = OkTopkReducer.predicted_cost(P, 100_000, 1000)
     for rounds, nbytes, headers in ss.run_local(_threshold_step, P):
-        assert rounds == pred["rounds"] == 4 * (P - 1) and _within(nbytes, pred["bytes_received"])
+        assert rounds == pred["rounds"] == 3 * (P - 1) and _within(nbytes, pred["bytes_received"])
         assert headers == P - 1
+
+
+def _both_selects(comm, k=300):
+    g = torch.Generator().manual_seed(3 + comm.rank)
+    keys = (torch.randn(2000, generator=g).abs() * torch.rand(2000, generator=g).exp()).view(torch.int32)
+    r = ss.make_reducer("oktopk", comm, density=0.01)
+    radix = r._global_threshold(keys, k)  # th_global is None: the two-level radix select
+    r.th_global = radix[0] * 1.7  # a previous threshold within a binade: the window hits
+    window = r._window_threshold(keys, k, int(torch.tensor([r.th_global]).view(torch.int32)[0]))
+    own = int((keys >= int(torch.tensor([radix[0]]).view(torch.int32)[0])).sum())
+    far = r._window_threshold(keys, k, int(torch.tensor([radix[0] * 8]).view(torch.int32)[0]))
+    return radix, window, own, far
+
+
+def test_oktopk_window_threshold_equals_the_radix_select():
+    """The one-all-gather window select gives the radix select's threshold bit for bit (both are the
+    lower edge of the 2^11-pattern cell holding the k-th magnitude) and every region's kept count;
+    a window that misses the k-th magnitude says so (None) on every rank."""
+    res = ss.run_local(_both_selects, 3)
+    for rank, (radix, window, own, far) in enumerate(res):
+        assert window == radix and radix[1][rank] == own and far is None

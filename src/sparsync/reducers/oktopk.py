@@ -69,6 +69,11 @@ _BINS_PER_RANK = 64
 #: exponent and 12 mantissa bits, a relative width of 2^-12 (``k`` to ``k`` + entries within 0.02 %),
 #: with two all-gathers of 8 KiB per rank each (latency-bound); one level of 2^20 bins would move 8 MiB.
 _TH_BINS = 1024
+#: One-level threshold select (``_window_threshold``): ``2^13`` bins of ``2^11`` fp32 patterns (the
+#: same relative width 2^-12 as two radix levels) centred on the previous threshold: one binade each
+#: way (the k-th magnitude may halve or double between steps), one all-gather of 32 KiB of int32
+#: counts per rank instead of two latency-bound ones; outside the window, the radix select runs.
+_WIN_BINS, _WIN_SHIFT = 1 << 13, 11
 
 
 def _bits(th: float) -> int:
@@ -158,8 +163,13 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         ring rounds instead of ``2(P - 1)``, and since the threshold is a bin edge, every rank's
         count of ``keys >= threshold`` is read off the gathered rows - the final all-gather then
         needs no count exchange (:meth:`_allgather_kept`). Exact alternatives (gathering up to ``k``
-        magnitudes from every region) cost ``(P-1) k`` values.
+        magnitudes from every region) cost ``(P-1) k`` values. After the first estimate one
+        all-gather usually does (:meth:`_window_threshold`).
         """
+        if self.th_global:
+            found = self._window_threshold(keys, k, _bits(self.th_global))
+            if found is not None:
+                return found
         hi = torch.bitwise_right_shift(keys, 21)
         rows = self._gather_rows(torch.bincount(hi, minlength=_TH_BINS))  # [P, bins]: every rank's histogram
         from_top = torch.cumsum(rows.sum(0).flip(0), 0)  # from_top[i]: count in the top i + 1 bins
@@ -176,8 +186,26 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         bits = torch.tensor([(j1 << 21) | (j2 << 11)], dtype=torch.int32)
         return float(bits.view(torch.float32)[0]), counts.tolist()
 
+    def _window_threshold(self, keys: torch.Tensor, k: int, center: int) -> tuple[float, list[int]] | None:
+        """:meth:`_global_threshold` from one all-gathered histogram: ``_WIN_BINS`` bins of
+        ``2^_WIN_SHIFT`` bit patterns starting one binade below ``center`` (the previous threshold's
+        pattern; the same on every rank), plus one bin for everything below and one for everything
+        above the window. The bins are the radix select's level-2 cells, so the threshold is the
+        same bit for bit. None (on every rank alike: they see the same counts) when the ``k``-th
+        magnitude is not inside the window."""
+        lo = max(0, (center >> _WIN_SHIFT << _WIN_SHIFT) - (_WIN_BINS << _WIN_SHIFT) // 2)  # cells as the radix's
+        b = torch.bitwise_right_shift(keys - lo, _WIN_SHIFT).clamp_(-1, _WIN_BINS).add_(1)  # 0: below, W + 1: above
+        rows = self._gather_rows(torch.bincount(b, minlength=_WIN_BINS + 2).to(torch.int32))
+        from_top = torch.cumsum(rows.sum(0, dtype=torch.int64).flip(0), 0)  # from_top[i]: top i + 1 bins
+        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype)))
+        if not 1 <= i <= _WIN_BINS:
+            return None  # the k-th magnitude is above the window, below it, or there are fewer than k
+        j = _WIN_BINS + 1 - i  # its bin, counting the below-bin as 0
+        bits = torch.tensor([lo + ((j - 1) << _WIN_SHIFT)], dtype=torch.int32)
+        return float(bits.view(torch.float32)[0]), rows[:, j:].sum(1, dtype=torch.int64).tolist()
+
     def _gather_rows(self, hist: torch.Tensor) -> torch.Tensor:
-        """``[P, bins]``: every rank's int64 histogram, in rank order (one ring all-gather)."""
+        """``[P, bins]``: every rank's histogram, in rank order (one ring all-gather)."""
         if self.comm.world_size == 1:
             return hist.view(1, -1)
         return torch.stack(self.comm.allgather(hist))
@@ -224,8 +252,10 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, recompute_every=1, **_):
         """This code's ledger on a step without re-balancing, maximum over ranks: ``2(P-1)`` rounds
         (``alltoallv`` + ring all-gather), plus, on a threshold step (every step with the default
-        ``recompute_every=1``), two ring all-gathers of ``_TH_BINS`` int64 counts (``2(P-1)`` rounds,
-        ``2 (P-1) 8 _TH_BINS`` bytes; one when fewer than ``k`` entries exist at all). Data bytes
+        ``recompute_every=1``), one ring all-gather of ``_WIN_BINS + 2`` int32 counts (``P-1`` rounds,
+        ``(P-1) 4 (_WIN_BINS + 2)`` bytes: the usual case, the k-th magnitude within a binade of the
+        previous threshold; the first estimate and misses add two all-gathers of ``_TH_BINS`` int64
+        counts, ``2(P-1)`` rounds and ``2 (P-1) 8 _TH_BINS`` bytes). Data bytes
         depend on where the selected indices fall, so they are bounds, from the per-rank selected
         ``counts`` (default ``k`` each): the ``alltoallv`` brings at most every other rank's selection
         (``sum - min``), the all-gather at most ``P-1`` region lists of at most ``sum`` entries.
@@ -236,8 +266,8 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         pb = index_bytes + value_bytes
         rounds, extra = 2 * (P - 1), 0
         if int(recompute_every) == 1:
-            rounds += 2 * (P - 1)
-            extra = 2 * (P - 1) * 8 * _TH_BINS
+            rounds += P - 1
+            extra = (P - 1) * 4 * (_WIN_BINS + 2)
         return {"rounds": rounds, "bytes_received": (extra, extra + (sum(c) - min(c) + (P - 1) * sum(c)) * pb)}
 
     @staticmethod
