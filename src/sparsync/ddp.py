@@ -74,6 +74,15 @@ class SparseDDP(nn.Module):
         cost_model: ``(a, b)`` seconds and seconds per byte, or a ``CostModel``; skips the fit.
         profile: a ``BackwardProfile`` / ``{"order", "t_b"}``; with ``cost_model`` skips profiling.
         timeline: path of a Chrome-trace JSON per rank (``{rank}`` or ``.rank<r>`` is inserted).
+        delay: 0 (default) - ``.grad`` holds this step's average when ``backward()`` returns; 1 -
+            *delayed averaging*: it holds the previous step's average (nothing at the first step:
+            ``.grad`` is None there, so ``optimizer.step()`` skips it), and this step's reduce runs
+            on the communication thread during the next step's optimizer, forward and backward, so
+            the step does not wait for the network (Pipe-SGD, Li et al., NeurIPS 2018, pipeline
+            width 2; Delayed Gradient Averaging, Zhu et al., NeurIPS 2021). Parameters stay
+            identical on every rank; the update uses a one-step-stale gradient. ``flush()`` applies
+            the step still in flight; ``state_dict()`` holds it (bitwise resume). Needs a merge plan
+            that is final from the start. See docs/engine.md, "Delayed averaging".
 
     torch DDP's arguments (see ``docs/engine.md``, "torch DDP arguments"): ``device_ids`` and
     ``output_device`` (None, or the single device the module lives on; the module is not moved),
@@ -94,7 +103,7 @@ class SparseDDP(nn.Module):
                  process_group=None, device_ids=None, output_device=None, dim: int = 0,
                  find_unused_parameters: bool = False, gradient_as_bucket_view: bool = True,
                  static_graph: bool = False, bucket_cap_mb: float | None = None, init_sync: bool = True,
-                 **ddp_kwargs):
+                 delay: int = 0, **ddp_kwargs):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"SparseDDP wraps an nn.Module, got {type(module).__name__}")
@@ -130,7 +139,7 @@ class SparseDDP(nn.Module):
             [p for _, p in named], [n for n, _ in named], comm, reducer, density, reducer_options, merge,
             nonfinite=nonfinite, unused=unused, profile_warmup=profile_warmup, profile_steps=profile_steps,
             cost_model=cost_model, profile=profile, timeline=timeline, timeline_steps=timeline_steps,
-            sparse_params=sparse_idx, cost_max_bytes=cost_max_bytes, policy=policy)
+            sparse_params=sparse_idx, cost_max_bytes=cost_max_bytes, policy=policy, delay=delay)
         self._engine.buffers.as_view = self.gradient_as_bucket_view
         if self.broadcast_buffers and comm.world_size > 1:
             self._engine.after_step = self._sync_buffers
@@ -233,6 +242,11 @@ class SparseDDP(nn.Module):
             state_dict = {**{f"module.{k}": v for k, v in state_dict["module"].items()},
                           "_extra_state": state_dict["sparsync"]}
         return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def flush(self) -> bool:
+        """``delay=1``: wait for the step in flight and write its average into ``.grad`` (for a
+        last ``optimizer.step()``). False when nothing was pending (always with ``delay=0``)."""
+        return self._engine.flush()
 
     def close(self) -> None:
         """Remove the hooks and stop the communication thread."""

@@ -4,8 +4,9 @@
 separated by ``;``; each is ``NAME[:DENSITY][,key=value...]`` where ``NAME`` is a registered reducer
 or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=`` sets the merge
 plan, ``momentum=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
-options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags) and any
-other key is a reducer option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
+options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
+``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
+option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
 ``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
@@ -25,6 +26,7 @@ from . import DENSITY, UsageError
 from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
+DDP_KEYS = ("delay",)  # config keys that are SparseDDP keywords (the rest: merge, policy or reducer options)
 
 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
@@ -38,7 +40,8 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
             continue
         head, *kvs = item.split(",")
         name, _, dens = head.partition(":")
-        d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None}
+        d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None,
+             "ddp": {}}
         if dens:
             try:
                 d["density"] = float(dens)
@@ -50,6 +53,8 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
             k, v = kv.split("=", 1)
             if k.strip() == "merge":
                 d["merge"] = v.strip()
+            elif k.strip() in DDP_KEYS:
+                d["ddp"][k.strip()] = _parse_value(v.strip())
             elif k.strip() in POLICY_OPTIONS:
                 d["convergence"] = {**(d["convergence"] or {}), k.strip(): _parse_value(v.strip())}
             else:
@@ -64,7 +69,7 @@ def config_slug(c: dict) -> str:
     r = c["reducer"]
     s = r if r in BASELINES or r.startswith("ddp-") or r == "nocomm" else f"{r}-{c['density']:g}"
     s += "-" + c["merge"].replace(":", "")
-    for k, v in sorted({**c["options"], **(c.get("convergence") or {})}.items()):
+    for k, v in sorted({**c["options"], **(c.get("convergence") or {}), **(c.get("ddp") or {})}.items()):
         s += f"-{k}{v}"
     return s
 
@@ -118,6 +123,7 @@ def plan(args) -> tuple[Path, list]:
             conv = {**convergence_of(args), **conv}  # the flags apply to the sparse configurations
         cfg = config_from_args(args, reducer=c["reducer"], density=c["density"], merge=c["merge"],
                                options=c["options"], name=slug, convergence=conv)
+        cfg.ddp_options = {**cfg.ddp_options, **(c.get("ddp") or {})}
         cfg.runs_dir = str(root)
         cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
         try:

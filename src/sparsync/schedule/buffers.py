@@ -58,21 +58,24 @@ class GradBuffers:
             self.flat[g], self.views[g] = flat, _views_of(flat, ps)
         return flat
 
-    def gather(self, g: int, grads, keep_output: bool = False) -> tuple[torch.Tensor, int]:
+    def gather(self, g: int, grads, keep_output: bool = False, always_copy: bool = False) -> tuple[torch.Tensor, int]:
         """The group's local gradient as one flat tensor; returns (tensor, bytes copied).
 
         The ``.grad`` views themselves when every gradient still is one (nothing copied); else a
         copy into the ``.grad`` buffer, or - ``keep_output=True``, for a sparse result - into the
-        group's input-only buffer, so the ``.grad`` buffer keeps its known non-zeros."""
+        group's input-only buffer, so the ``.grad`` buffer keeps its known non-zeros.
+        ``always_copy=True`` (with ``keep_output``): the input-only buffer even when the gradients
+        are the views (one copy), for a caller that writes ``.grad`` while the input is in use."""
         flat = self._buffer(g)
         views = self.views[g]
         if all(_is_view_of(gr, view) for gr, view in zip(grads, views)):
-            return flat, 0
+            if not always_copy:
+                return flat, 0
+            buf = self._input_buffer(g)[0]
+            buf.copy_(flat)
+            return buf, buf.numel() * buf.element_size()
         if keep_output:
-            if self.inputs[g] is None:
-                buf = torch.empty_like(flat)
-                self.inputs[g] = (buf, _views_of(buf, [self.params[i] for i in self.groups[g]]))
-            flat, views = self.inputs[g]
+            flat, views = self._input_buffer(g)
         copied = 0
         for gr, view in zip(grads, views):
             if gr is None:
@@ -83,6 +86,13 @@ class GradBuffers:
                 view.copy_(gr.to_dense() if gr.is_sparse else gr)
                 copied += view.numel() * view.element_size()
         return flat, copied
+
+    def _input_buffer(self, g: int) -> tuple:
+        """(the group's input-only buffer, its per-parameter views), allocated on first use."""
+        if self.inputs[g] is None:
+            buf = torch.empty_like(self._buffer(g))
+            self.inputs[g] = (buf, _views_of(buf, [self.params[i] for i in self.groups[g]]))
+        return self.inputs[g]
 
     def write_indexed(self, g: int, out, P: int) -> None:
         """``.grad`` of group ``g`` := ``out / P`` for an :class:`~sparsync.reducers.base.IndexedSum`:

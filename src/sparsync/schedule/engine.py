@@ -12,7 +12,8 @@ PyTorch form). It orchestrates parts that each have one job:
 * :mod:`.guards` - non-finite / unused-parameter policy, identical decisions on every rank;
 * :mod:`.worker` - the FIFO communication thread;
 * :mod:`.stepstats` - ``last_stats`` (a step breakdown in which the wait is fully accounted for) and
-  the timeline.
+  the timeline;
+* :mod:`.stepcomm` - one step's communication (outputs, guard inputs, error, completion).
 
 The step: a post-accumulate-grad hook on every trainable parameter marks it ready. When the last
 tensor of a group is ready, the group is handed to the communication thread - groups are
@@ -28,6 +29,12 @@ Two cheap paths (issue 10): a policy with ``reads_parts`` (momentum correction) 
 per-parameter gradients itself, so nothing is gathered; a reducer with ``indexed_output`` returns an
 :class:`~sparsync.reducers.base.IndexedSum` and the write-back clears only last step's non-zeros
 (:meth:`GradBuffers.write_indexed`), instead of a zero-filled dense output and a divide pass.
+
+Delayed averaging (``delay=1``, docs/engine.md): nothing is submitted during backward; at its end
+the previous step's result is applied and this step's reduces are queued, to run while the caller
+computes the next step (:meth:`OverlapEngine._finish_delayed`). Each step's communication is one
+:class:`~.stepcomm.StepComm` (outputs, guard inputs, error, completion event, accounting), which
+with a delay outlives its step and is part of the state.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from .groups import check_cover, migrate_reducers, split_groups
 from .guards import StepGuard, all_finite
 from .merge import STRATEGIES
 from .planner import Planner
+from .stepcomm import StepComm
 from .stepstats import GroupSpan, StepStats
 from .timeline import Timeline
 from .worker import CommWorker
@@ -58,8 +66,12 @@ class OverlapEngine:
     def __init__(self, params, names, comm, reducer="dense", density=0.01, reducer_options=None,
                  merge="single", *, nonfinite="error", unused="zero", profile_warmup=2, profile_steps=5,
                  cost_model=None, profile=None, timeline=None, timeline_steps=50, sparse_params=(),
-                 cost_max_bytes=64 << 20, policy=None):
+                 cost_max_bytes=64 << 20, policy=None, delay=0):
         self.guard = StepGuard(nonfinite, unused)
+        if delay not in (0, 1) or isinstance(delay, bool):
+            raise ValueError(f"delay must be 0 (average this step's gradients) or 1 (apply the previous "
+                             f"step's average; see docs/engine.md), got {delay!r}")
+        self.delay = int(delay)
         reducers = load_all()
         if reducer not in reducers:
             raise ValueError(f"unknown reducer {reducer!r}; valid: {', '.join(sorted(reducers))}")
@@ -80,7 +92,12 @@ class OverlapEngine:
         self.sparse_path = set(sparse_params) if has_sparse else set()
         self.planner = Planner(merge, self.sizes, profile_warmup=profile_warmup, profile_steps=profile_steps,
                                cost_model=cost_model, profile=profile, cost_max_bytes=cost_max_bytes)
+        if self.delay and not self.planner.final:
+            raise ValueError(f"delay=1 needs a merge plan that is final from the start (single, wfbp, "
+                             f"buckets:<MB>, or {merge} with profile= and cost_model=): the plan switch after "
+                             "profiling would change the groups under a step still in flight")
         self.buffers = GradBuffers(self.params)
+        self._inflight: StepComm | None = None  # delay=1: the previous step's communication, not applied yet
         self.steps_done = 0
         self.skipped_steps = 0
         self._set_groups(self.planner.initial_plan(), migrate=False)
@@ -186,105 +203,176 @@ class OverlapEngine:
         return hook
 
     def _begin_step(self, now):
-        G = len(self.groups)
         self._step_active = True
         self._t_start = self._bw_start if self._bw_start is not None else now
         self._seen = [False] * self.n
         self._pending = [len(g) for g in self.groups]
-        self._ready = [False] * G
+        self._ready = [False] * len(self.groups)
         self._next_submit = 0
-        self._outs = [None] * G
-        self._bad_local: list[int] = []
-        self._error = None
-        self._done = threading.Event()
+        self._rec = StepComm(self.steps_done, len(self.groups))
         self._order_seen: list[int] = []
         self._ready_t: list[float] = []
-        self._stats = StepStats()
-        self._flags = None
+        if not self.delay:  # with delay=1 the reducers may still be busy with the previous step: see _finish_delayed
+            self._set_density()
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _set_density(self):
         if self.policy is not None:
             d = float(self.policy.density(self.steps_done, self.density))
             for r in self.reducers:
                 r.density = d
-        torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _param_ready(self, i):
         g = self.group_of[i]
         self._pending[g] -= 1
-        if self._pending[g] == 0:
+        if self._pending[g] == 0 and not self.delay:
             self._ready[g] = True
             G = len(self.groups)
             while self._next_submit < G and self._ready[self._next_submit]:
                 k = self._next_submit
                 grads = [self.params[j].grad for j in self.groups[k]]  # captured now, copied on the thread
                 t = time.perf_counter()
-                self._worker.submit(lambda k=k, grads=grads, t=t: self._reduce(k, grads, t))
+                self._worker.submit(lambda k=k, grads=grads, t=t, rec=self._rec: self._reduce(rec, k, grads, t))
                 self._next_submit += 1
 
     def _finish(self):
         t_end = time.perf_counter()
         try:
             with self._lock:
-                self._unused = [i for i in range(self.n) if not self._seen[i]]
-                for i in self._unused:
+                rec = self._rec
+                rec.unused = [i for i in range(self.n) if not self._seen[i]]
+                for i in rec.unused:
                     self._seen[i] = True
                     self._param_ready(i)
-                self._worker.submit(self._final_exchange)
-            self._done.wait()
-            self._complete(t_end, time.perf_counter())
+                if not self.delay:
+                    self._worker.submit(lambda: self._final_exchange(rec))
+            if self.delay:
+                self._finish_delayed(rec, t_end)
+                return
+            rec.done.wait()
+            t_done = time.perf_counter()
+            rec.raise_error(self.comm.rank, self.groups)
+            skipped = self._apply(rec)
+            self._complete(rec, rec.stats, t_end, t_done, time.perf_counter(), skipped)
         finally:
             self._step_active = False
             self._bw_start = None
 
+    def _finish_delayed(self, rec, t_end):
+        """``delay=1``: apply the previous step's average, start this step's communication.
+
+        Order (every shared buffer has one writer at a time): (1) wait for the previous step's
+        communication - it ran during this step's forward and backward, so normally it is done;
+        (2) take this step's gradients out of ``.grad`` (a copy, or the policy's velocity update:
+        the communication thread will read them while the caller computes the next step);
+        (3) write the previous step's ``sum / P`` into ``.grad`` (nothing at the first step:
+        ``.grad = None``, so ``optimizer.step()`` leaves the parameters alone); (4) the step's
+        accounting and ``after_step`` (buffer broadcast: collectives on this thread, while the
+        communication thread is idle); (5) queue this step's reduces and flag exchange."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            prev.done.wait()
+        t_done = time.perf_counter()
+        if prev is not None:
+            prev.raise_error(self.comm.rank, self.groups)
+        # this step's accounting: the reducers' work that ran during it (the previous step's) plus
+        # this step's input stage on the training thread (after the wait window: in the totals only)
+        stats = prev.stats if prev is not None else StepStats()
+        inputs = []
+        for g, idx in enumerate(self.groups):
+            span = GroupSpan(g, t_done)
+            inputs.append(self._group_input(rec, g, [self.params[j].grad for j in idx], span, own=True))
+            span.close(None)
+            stats.spans.append(span)
+        stats.copied_bytes, rec.stats.copied_bytes = rec.stats.copied_bytes, 0
+        if prev is None:
+            skipped = False
+            for p in self.params:
+                p.grad = None
+        else:
+            skipped = self._apply(prev)
+        t_written = time.perf_counter()
+        self._set_density()
+        # before the submission: after_step may issue collectives (buffer broadcast) on this thread,
+        # which must not interleave with the communication thread's
+        self._complete(rec, stats, t_end, t_done, t_written, skipped, applied=None if prev is None else prev.step)
+        for g, x in enumerate(inputs):
+            self._worker.submit(lambda g=g, x=x: self._reduce_input(rec, g, x, time.perf_counter()))
+        self._worker.submit(lambda: self._final_exchange(rec))
+        self._inflight = rec
+
     # ------------------------------------------------------------------ communication thread
-    def _reduce(self, g, grads, t_submit):
-        if self._error is not None:
+    def _reduce(self, rec, g, grads, t_submit):
+        if rec.error is not None:
             return
         span = GroupSpan(g, t_submit)
         try:
-            r = self.reducers[g]
-            idx = self.groups[g]
-            if len(idx) == 1 and idx[0] in self.sparse_path:
-                x = self._sparse_input(g, grads[0])
-                span.mark("check")
-                out = r.reduce_sparse(x)
-                span.mark("reduce")
-            else:
-                x = self._dense_input(g, grads, r, span)
-                out = r.reduce(x, indexed=self.buffers.as_view)
-                span.mark("reduce")
-                if self.policy is not None:
-                    self.policy.after_reduce(g, r)
-                    span.mark("policy")
-            self._outs[g] = out
-            span.close(r.stats)
-            self._stats.spans.append(span)
-            self._stats.add_reducer_stats(r.stats)
+            x = self._group_input(rec, g, grads, span)
+            self._run_reducer(rec, g, x, span)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
-            self._error = (g, e, traceback.format_exc())
+            rec.error = (g, e, traceback.format_exc())
 
-    def _dense_input(self, g, grads, r, span):
+    def _reduce_input(self, rec, g, x, t_submit):
+        """``delay=1``: reduce a group whose input the training thread already took (``_finish_delayed``)."""
+        if rec.error is not None:
+            return
+        try:
+            self._run_reducer(rec, g, x, GroupSpan(g, t_submit))
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+            rec.error = (g, e, traceback.format_exc())
+
+    def _run_reducer(self, rec, g, x, span):
+        r = self.reducers[g]
+        if x.is_sparse:
+            out = r.reduce_sparse(x)
+            span.mark("reduce")
+        else:
+            out = r.reduce(x, indexed=self.buffers.as_view)
+            span.mark("reduce")
+            if self.policy is not None:
+                self.policy.after_reduce(g, r)
+                span.mark("policy")
+        rec.outs[g] = out
+        span.close(r.stats)
+        rec.stats.spans.append(span)
+        rec.stats.add_reducer_stats(r.stats)
+
+    def _group_input(self, rec, g, grads, span, own=False):
+        """The group's local input: a coalesced COO tensor on the sparse path, else the flat
+        gradient as the reducer should see it (:meth:`_dense_input`). ``own``: never the ``.grad``
+        buffer itself (``delay=1`` writes that buffer while the input is being reduced)."""
+        idx = self.groups[g]
+        if len(idx) == 1 and idx[0] in self.sparse_path:
+            x = self._sparse_input(rec, g, grads[0])
+            span.mark("check")
+            return x
+        return self._dense_input(rec, g, grads, self.reducers[g], span, own=own)
+
+    def _dense_input(self, rec, g, grads, r, span, own=False):
         """The group's flat local gradient as the reducer should see it (policy applied).
 
         With a policy that reads the per-parameter gradients itself (momentum correction:
         ``u = m u + g`` slice by slice) nothing is copied into a flat buffer first; otherwise the
         gradients are gathered (:meth:`GradBuffers.gather`; into the input-only buffer when the
-        reducer returns an :class:`IndexedSum`, so the ``.grad`` buffer stays cheap to clear)."""
+        reducer returns an :class:`IndexedSum` or when ``own`` is set, so the ``.grad`` buffer stays
+        cheap to clear, or free to be written)."""
         parts = getattr(self.policy, "reads_parts", False)
         if parts:
             span.mark("copy")
             if self.guard.checks and not all(all_finite(gr) for gr in grads if gr is not None):
-                self._bad_local.append(g)
+                rec.bad_local.append(g)
                 grads = [None] * len(grads)
             span.mark("check")
             x = self.policy.before_reduce_parts(g, grads, [self.numels[i] for i in self.groups[g]],
                                                 self.params[self.groups[g][0]], r)
             span.mark("policy")
             return x
-        x, copied = self.buffers.gather(g, grads, keep_output=bool(getattr(r, "indexed_output", False)))
-        self._stats.copied_bytes += copied
+        keep = own or bool(getattr(r, "indexed_output", False))
+        x, copied = self.buffers.gather(g, grads, keep_output=keep, always_copy=own)
+        rec.stats.copied_bytes += copied
         span.mark("copy")
         if self.guard.checks and not all_finite(x):
-            self._bad_local.append(g)
+            rec.bad_local.append(g)
             x.zero_()
         span.mark("check")
         if self.policy is not None:
@@ -292,62 +380,65 @@ class OverlapEngine:
             span.mark("policy")
         return x
 
-    def _sparse_input(self, g, gr):
+    def _sparse_input(self, rec, g, gr):
         p = self.params[self.groups[g][0]]
         x = _empty_coo(p) if gr is None else (gr if gr.is_sparse else gr.to_sparse(1)).coalesce()
         if self.guard.checks and not bool(torch.isfinite(x._values()).all()):
-            self._bad_local.append(g)
+            rec.bad_local.append(g)
             x = _empty_coo(p)
         return x
 
-    def _final_exchange(self):
+    def _final_exchange(self, rec):
         try:
-            if self._error is None:
-                self._flags = self.guard.flags(self.comm, len(self._bad_local), len(self._unused))
+            if rec.error is None:
+                rec.flags = self.guard.flags(self.comm, len(rec.bad_local), len(rec.unused))
         except BaseException as e:  # noqa: BLE001
-            self._error = (-1, e, traceback.format_exc())
+            rec.error = (-1, e, traceback.format_exc())
         finally:
-            self._done.set()
+            rec.done.set()
 
     # ------------------------------------------------------------------ end of step (training thread)
-    def _complete(self, t_end, t_done):
-        comm = self.comm
-        if self._error is not None:
-            g, e, tb = self._error
-            what = "the final flag exchange" if g < 0 else f"group {g} ({len(self.groups[g])} tensors)"
-            raise RuntimeError(f"rank {comm.rank}: SparseDDP communication of {what} failed: "
-                               f"{type(e).__name__}: {e}\n{tb}") from e
+    def _apply(self, rec) -> bool:
+        """The guard's decision on ``rec``'s step, then ``.grad := sum / P`` (or None on a skipped
+        step). Returns True when the step was skipped."""
         skipped = self.guard.decide(
-            self._flags, rank=comm.rank, step=self.steps_done,
-            unused_names=[self.names[i] for i in self._unused],
-            bad_names=[self.names[i] for g in self._bad_local for i in self.groups[g]])
+            rec.flags, rank=self.comm.rank, step=rec.step,
+            unused_names=[self.names[i] for i in rec.unused],
+            bad_names=[self.names[i] for g in rec.bad_local for i in self.groups[g]])
         if skipped:
             self.skipped_steps += 1
             for p in self.params:
                 p.grad = None
         else:
-            self._write_back()
-        t_written = time.perf_counter()
+            self._write_back(rec.outs)
+        rec.outs = [None] * len(rec.outs)  # let the reducers recycle their output buffers
+        return skipped
+
+    def _complete(self, rec, stats, t_end, t_done, t_written, skipped, applied=-1):
+        """Accounting, timeline and plan switch at the end of a synchronised backward. ``stats``:
+        the communication work that ran during this step (``rec``'s own, or with ``delay=1`` the
+        previous step's); ``applied``: the step whose average ``.grad`` now holds."""
         numel = sum(self.group_numel)
-        st = self._stats.summary(t_start=self._t_start, t_end=t_end, t_done=t_done, t_written=t_written)
+        st = stats.summary(t_start=self._t_start, t_end=t_end, t_done=t_done, t_written=t_written)
         self.last_stats = {"step": self.steps_done, **st, "numel": numel,
                            "density": st["selected"] / max(1, numel), "groups": len(self.groups),
-                           "unused": len(self._unused), "skipped": skipped, "final_plan": self.final}
+                           "unused": len(rec.unused), "skipped": skipped, "final_plan": self.final,
+                           "applied_step": self.steps_done if applied == -1 else applied}
         if self.timeline is not None:
-            self._stats.timeline(self.timeline, self.names, self.sizes, self.groups, self._order_seen,
-                                 self._ready_t, self._t_start, t_end, t_done)
+            stats.timeline(self.timeline, self.names, self.sizes, self.groups, self._order_seen,
+                           self._ready_t, self._t_start, t_end, t_done)
         self.steps_done += 1
-        order = self._order_seen + self._unused
-        ready = self._ready_t + [t_end] * len(self._unused)
+        order = self._order_seen + rec.unused
+        ready = self._ready_t + [t_end] * len(rec.unused)
         if self.planner.observe(self.steps_done, self._t_start, order, ready):
             groups = self.planner.switch(self.comm, self.reducer_name, self.density, self.reducer_options)
             self._set_groups(groups, migrate=True)
         if self.after_step is not None:
             self.after_step()
 
-    def _write_back(self):
+    def _write_back(self, outs):
         for g, idx in enumerate(self.groups):
-            out = self._outs[g]
+            out = outs[g]
             if isinstance(out, IndexedSum):
                 self.buffers.write_indexed(g, out, self.P)
             elif out.is_sparse:
@@ -356,10 +447,27 @@ class OverlapEngine:
                 p.grad = out.reshape(p.shape) if out.dim() != p.dim() else out
             else:
                 self.buffers.write_average(g, out, self.P)
-        self._outs = [None] * len(self.groups)  # let the reducers recycle their output buffers
+
+    def flush(self) -> bool:
+        """``delay=1``: wait for the step still in flight and write its average into ``.grad``
+        (for a last ``optimizer.step()``). Returns False when nothing was pending."""
+        rec, self._inflight = self._inflight, None
+        if rec is None:
+            return False
+        rec.done.wait()
+        rec.raise_error(self.comm.rank, self.groups)
+        self._apply(rec)
+        return True
+
+    def _drain(self):
+        """Wait for the step in flight (its results stay pending)."""
+        if self._inflight is not None:
+            self._inflight.done.wait()
+            self._inflight.raise_error(self.comm.rank, self.groups)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        self._drain()  # delay=1: the step in flight is part of the state (and its reducers must be idle)
         return {
             "version": STATE_VERSION,
             "reducer": self.reducer_name,
@@ -370,6 +478,8 @@ class OverlapEngine:
             "groups": [list(g) for g in self.groups],
             "reducers": [r.state_dict() for r in self.reducers],
             "policy": None if self.policy is None else self.policy.state_dict(),
+            "delay": self.delay,
+            "inflight": None if self._inflight is None else self._inflight.state_dict(),
         }
 
     def load_state_dict(self, d: dict) -> None:
@@ -382,6 +492,10 @@ class OverlapEngine:
             raise RuntimeError("cannot load state in the middle of a backward pass")
         if d.get("policy") is not None and self.policy is None:
             raise ValueError("checkpoint holds a convergence policy's state; pass the same policy= to SparseDDP")
+        if d.get("inflight") is not None and not self.delay:
+            raise ValueError("checkpoint holds a step in flight (saved with delay=1): pass delay=1 to SparseDDP")
+        self._drain()
+        self._inflight = None if d.get("inflight") is None else StepComm.from_state(d["inflight"])
         self.steps_done = int(d["steps_done"])
         self.skipped_steps = int(d.get("skipped_steps", 0))
         self.planner.load_state_dict(d)

@@ -130,10 +130,15 @@ class TrainConfig:
         if self.reducer == "nocomm":
             return "no-comm floor"
         conv = "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
-                       for k, v in sorted(self.convergence.items()))
+                       for k, v in sorted({**self.convergence, **_labelled(self.ddp_options)}.items()))
         if self.reducer == "dense":
             return f"dense ({self.merge}{conv})"
         return f"{self.reducer} {self.density:g} ({self.merge}{conv})"
+
+
+def _labelled(ddp_options: dict) -> dict:
+    """The SparseDDP keywords that change what a run computes, for its label (delayed averaging)."""
+    return {k: v for k, v in ddp_options.items() if k == "delay" and v}
 
 
 def default_name(cfg: TrainConfig) -> str:
