@@ -8,6 +8,7 @@ import torch
 
 import sparsync as ss
 from sparsync.launch import RankFailed
+from sparsync.threadcomm import MAX_THREAD_RANKS, ThreadWorld
 
 
 def _rank_and_size(comm, offset, scale=1):
@@ -98,8 +99,24 @@ def test_bad_arguments():
         ss.run_local(_rank_and_size, 2, 0, backend="mpi")
     with pytest.raises(ValueError, match="world_size"):
         ss.run_local(_rank_and_size, 0, 0)
-    with pytest.raises(ValueError, match="256"):
-        ss.run_local(_rank_and_size, 300, 0)
+    with pytest.raises(ValueError, match="world_size"):
+        ss.run_local(_rank_and_size, True, 0)
+
+
+@pytest.mark.parametrize("make", [lambda P: ss.run_local(_rank_and_size, P, 0),
+                                  lambda P: ThreadWorld(P)], ids=["run_local", "ThreadWorld"])
+def test_thread_rank_limit_is_one_named_limit(make):
+    """run_local's thread backend and ThreadWorld share MAX_THREAD_RANKS; the error names it."""
+    assert MAX_THREAD_RANKS == 256
+    assert make(MAX_THREAD_RANKS) is not None  # the limit itself is allowed
+    for bad in (MAX_THREAD_RANKS + 1, 4096):
+        with pytest.raises(ValueError, match=rf"1\.\.{MAX_THREAD_RANKS} .*MAX_THREAD_RANKS.*got {bad}"):
+            make(bad)
+    for bad in (0, -3):
+        with pytest.raises(ValueError, match="world_size"):
+            make(bad)
+    with pytest.raises(ValueError, match="positive integer, got 2.5"):
+        make(2.5)
 
 
 def test_comm_from_env_without_torchrun(monkeypatch):

@@ -3,7 +3,7 @@
 ``run_local(fn, world_size, *args, backend="thread"|"gloo", **kwargs)`` calls
 ``fn(comm, *args, **kwargs)`` on every rank and returns the per-rank results in rank order.
 
-* ``"thread"``: a :class:`~sparsync.threadcomm.ThreadWorld` (any world size up to 256 in tests;
+* ``"thread"``: a :class:`~sparsync.threadcomm.ThreadWorld` (any world size up to ``MAX_THREAD_RANKS`` = 256 in tests;
   optional virtual alpha-beta clock via ``alpha=``/``beta=``).
 * ``"gloo"``: one OS process per rank, ``fork`` start method when it is safe (no CUDA context and
   ``fn`` may be a closure; 0.1 s start-up), ``spawn`` otherwise. Each child pins torch to one thread,
@@ -52,7 +52,7 @@ from typing import Any, Callable
 
 import torch
 
-from .threadcomm import RankAborted, ThreadWorld
+from .threadcomm import RankAborted, ThreadWorld, check_thread_world_size
 
 __all__ = ["run_local", "comm_from_env", "torchrun_main", "RankFailed", "on_orphan", "STORE_PREFIX",
            "rank_process_name", "peer_table", "lost_peer_error"]
@@ -83,11 +83,10 @@ def run_local(fn: Callable, world_size: int, *args, backend: str = "thread", tim
               alpha: float = 0.0, beta: float = 0.0, placement: Callable[[int], dict] | None = None,
               start_method: str | None = None, **kwargs) -> list:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; return results in rank order."""
-    if not isinstance(world_size, int) or world_size < 1:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "thread":
-        if world_size > 256:
-            raise ValueError(f"the thread backend supports up to 256 ranks, got {world_size}")
+        check_thread_world_size(world_size)  # the one limit of the thread cluster, MAX_THREAD_RANKS
         return _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta)
     if backend == "gloo":
         return _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method)

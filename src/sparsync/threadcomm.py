@@ -1,6 +1,6 @@
 """ThreadComm: P ranks as threads of one process, with a virtual alpha-beta clock.
 
-For fast exhaustive tests (any world size up to 256) and for *executed simulation*: the same
+For fast exhaustive tests (any world size up to ``MAX_THREAD_RANKS`` = 256) and for *executed simulation*: the same
 algorithm code runs, and each rank's virtual clock advances by ``alpha + beta*bytes`` per message
 it sends; a receive waits until the message's arrival time (``spec/README.md`` §2 cost model).
 Collectives advance every rank to ``max(clock) + rounds*alpha + beta*bytes_received`` of the ring
@@ -23,7 +23,24 @@ import torch
 
 from .comm import Comm, CommError, Handle, PhaseCost
 
-__all__ = ["ThreadWorld", "ThreadComm", "RankAborted"]
+__all__ = ["MAX_THREAD_RANKS", "ThreadWorld", "ThreadComm", "RankAborted", "check_thread_world_size"]
+
+#: Largest world of the thread cluster (``ThreadWorld`` and ``run_local(backend="thread")`` alike).
+#: Every rank is one OS thread of this process and every (src, dst) pair gets its own queue (P^2 of
+#: them), all under one GIL; 256 is the largest P the executed simulation and the tests use
+#: (``sparsync simulate collectives --max-exec-p``). A cap chosen for that, not a measured limit:
+#: beyond it runs get slow, not wrong; larger P is covered by the alpha-beta formulas (up to 4096).
+MAX_THREAD_RANKS = 256
+
+
+def check_thread_world_size(world_size) -> int:
+    """``world_size`` as an int in ``1..MAX_THREAD_RANKS``; ValueError naming the problem otherwise."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not 1 <= world_size <= MAX_THREAD_RANKS:
+        raise ValueError(f"world_size must be in 1..{MAX_THREAD_RANKS} for the thread cluster "
+                         f"(MAX_THREAD_RANKS: one thread per rank), got {world_size}")
+    return world_size
 
 
 class RankAborted(RuntimeError):
@@ -34,9 +51,7 @@ class ThreadWorld:
     """Shared state of one thread cluster."""
 
     def __init__(self, world_size: int, alpha: float = 0.0, beta: float = 0.0, timeout: float = 60.0):
-        if not 1 <= world_size <= 4096:
-            raise ValueError(f"world_size must be in 1..4096, got {world_size}")
-        self.world_size = world_size
+        self.world_size = check_thread_world_size(world_size)
         self.alpha = float(alpha)
         self.beta = float(beta)
         self.timeout = float(timeout)

@@ -121,6 +121,10 @@ def _timed_steps(comm, call, steps: int, warmup: int, record, before=None):
     for step in range(warmup + steps):
         if before is not None:
             before(step)
+        # drop the previous call's result first, as a training loop does: a reducer recycles its
+        # output buffer only when nothing else references it (Reducer.zeros_output / output_buffer),
+        # so holding it across the call would time a fresh full-size allocation instead
+        result = None
         comm.barrier()
         t0 = time.perf_counter()
         result = call()

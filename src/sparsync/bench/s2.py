@@ -30,7 +30,7 @@ import torch
 
 from ..reducers import make_reducer
 from ..sketch import CountSketch, sketch_columns
-from .reducers import summarize, time_reducer
+from .reducers import _timed_steps, summarize, time_reducer
 
 V, D, TOKENS = 33278, 650, 16 * 35
 EXTRA = ("encode_s", "decode_s")
@@ -66,19 +66,22 @@ def _extra(per_rank, keys=EXTRA) -> dict:
 
 
 def _time_sparse(comm, name, grads, steps, warmup, **opts):
+    """``reduce_sparse`` timed by the project's one timing loop (:func:`.reducers._timed_steps`:
+    barrier, then per-rank wall time of the call), cycling through ``grads``; returns the records
+    of the timed steps and the step-0 output (the output of a fresh reducer on ``grads[0]``,
+    computed untimed - the same as the timed reducer's first call: the hashes are seeded)."""
+    first = make_reducer(name, comm, **opts).reduce_sparse(grads[0])
     r = make_reducer(name, comm, **opts)
-    recs, first = [], None
-    for s in range(warmup + steps):
-        g = grads[s % len(grads)]
-        comm.barrier()
-        t0 = time.perf_counter()
-        out = r.reduce_sparse(g)
-        wall = time.perf_counter() - t0
-        if s == 0:
-            first = out
-        if s >= warmup:
-            recs.append(dict(r.sparse_stats, wall_s=wall))
-    return recs, first
+    g = None
+
+    def before(step):
+        nonlocal g
+        g = grads[step % len(grads)]
+
+    def record(_step, wall, _result):
+        return dict(r.sparse_stats, wall_s=wall)
+
+    return _timed_steps(comm, lambda: r.reduce_sparse(g), steps, warmup, record, before)[0], first
 
 
 CONFIGS = [("blocksparse", "blocksparse", {}), ("block_allgather", "block_allgather", {}),

@@ -46,10 +46,25 @@ CANDIDATES = ("ssar_rec_dbl", "ssar_split_allgather", "dsar_split_allgather", "d
 NOMINAL = (50e-6, 8e-9)  # 1 Gbit/s, 50 us per message
 NOMINAL_GAMMA = (30e-9, 1e-9)  # sort-based sparse merge per item, dense add per element (one CPU core)
 
+#: Calibration message sizes (bytes) of the ping-pong: a small one that is all latency and a big one
+#: that is all bandwidth (4 MiB: ~34 ms at 1 Gbit/s, far above the 50 us latency, yet a short probe).
+#: Round values, not tuned: any pair with ``big * beta >> alpha`` gives the same two-point fit.
+_SMALL_BYTES, _BIG_BYTES = 8, 4 << 20
+#: Calibration compute workload: a dense add of ``_DENSE_ELEMS`` fp32 (16 MiB, at least a typical
+#: last-level cache, so it runs mostly from memory like the dense work of a real gradient) and a sort-based
+#: merge of two streams of ``_SPARSE_ITEMS`` (64 K, i.e. 1.6 % of that length: the density range
+#: where sparse algorithms compete). Round values chosen to keep the one-time probe to a few ms per
+#: repeat; the per-item / per-element costs are assumed constant beyond them (not checked).
+_DENSE_ELEMS, _SPARSE_ITEMS = 1 << 22, 1 << 16
+#: Floors of the fitted alpha/beta: timer noise can make the two-point fit zero or negative; the
+#: floors (1 ps/byte = 8 Tbit/s, 0.1 us) are far below any real network, so they only keep T > 0.
+_MIN_BETA, _MIN_ALPHA = 1e-12, 1e-7
+
 _calib: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache: one calibration per comm object
 
 
-def calibrate(comm, reps: int = 5, big_bytes: int = 4 << 20, force: bool = False) -> tuple[float, float, float, float]:
+def calibrate(comm, reps: int = 5, big_bytes: int = _BIG_BYTES,
+              force: bool = False) -> tuple[float, float, float, float]:
     """(alpha [s], beta [s/byte], gamma_sparse [s/item], gamma_dense [s/element]) of this comm.
 
     Measured once per comm object and cached (see the module docstring).
@@ -76,7 +91,7 @@ def calibrate(comm, reps: int = 5, big_bytes: int = 4 << 20, force: bool = False
 def _pingpong(comm, reps, big_bytes):
     peer = 1 - comm.rank
     ts = []
-    for nbytes in (8, big_bytes):
+    for nbytes in (_SMALL_BYTES, big_bytes):
         buf = torch.zeros(nbytes, dtype=torch.uint8, device=comm.device)
         best = float("inf")
         for _ in range(reps):
@@ -89,18 +104,18 @@ def _pingpong(comm, reps, big_bytes):
                 comm.send(buf, peer, fixed=True)
             best = min(best, time.perf_counter() - t0)
         ts.append(best)
-    beta = max((ts[1] - ts[0]) / (2 * (big_bytes - 8)), 1e-12)
-    alpha = max(ts[0] / 2 - 8 * beta, 1e-7)
+    beta = max((ts[1] - ts[0]) / (2 * (big_bytes - _SMALL_BYTES)), _MIN_BETA)
+    alpha = max(ts[0] / 2 - _SMALL_BYTES * beta, _MIN_ALPHA)
     return torch.tensor([alpha, beta], dtype=torch.float64, device=comm.device)
 
 
 def _compute_costs(device, reps: int = 3) -> torch.Tensor:
-    """Per-item cost of a sparse merge (``sparse.add`` of 2 x 2^16 items) and per-element cost of a
-    dense add (2^22 elements), min of ``reps``; every rank measures at the same time."""
+    """Per-item cost of a sparse merge (``sparse.add`` of 2 x ``_SPARSE_ITEMS``) and per-element cost
+    of a dense add (``_DENSE_ELEMS``), min of ``reps``; every rank measures at the same time."""
     from ..sparse import SparseVec, add
 
     g = torch.Generator().manual_seed(0)
-    n, m = 1 << 22, 1 << 16
+    n, m = _DENSE_ELEMS, _SPARSE_ITEMS
     a = SparseVec(torch.randperm(n, generator=g)[:m].sort().values.to(device), torch.randn(m).to(device), n)
     b = SparseVec(torch.randperm(n, generator=g)[:m].sort().values.to(device), torch.randn(m).to(device), n)
     x = torch.randn(n, generator=g).to(device)

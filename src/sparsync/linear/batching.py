@@ -11,6 +11,11 @@ import torch
 
 __all__ = ["batches", "straggle", "worker_slice"]
 
+#: Seed mixing of (seed, epoch, step) into one generator seed: distinct primes, so the seeds are
+#: distinct while ``epoch < _EPOCH_MIX`` and ``step < _STEP_MIX`` (beyond, two draws may share a seed:
+#: harmless for a shuffle or a straggler draw, they are only meant to differ between steps).
+_EPOCH_MIX, _STEP_MIX = 7919, 1_000_003
+
 
 def worker_slice(n: int, r: int, P: int) -> tuple[int, int]:
     """Worker ``r``'s ``[lo, hi)`` of ``n`` items split into ``P`` contiguous near-equal slices."""
@@ -19,7 +24,7 @@ def worker_slice(n: int, r: int, P: int) -> tuple[int, int]:
 
 def batches(n: int, global_batch: int, seed: int, epoch: int):
     """The epoch's global batches: a permutation of ``range(n)`` cut into ``global_batch`` pieces."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * 7919 + epoch))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(int(seed) * _EPOCH_MIX + epoch))
     return perm.split(global_batch)
 
 
@@ -29,6 +34,6 @@ def straggle(ms: float, seed: int, epoch: int, step: int, worker: int, workers: 
     milliseconds after computing its gradient. A synchronous strategy waits for it at every step; a
     parameter server with staleness ``s > 0`` lets the others run ahead."""
     if ms > 0:
-        g = torch.Generator().manual_seed((int(seed) * 7919 + epoch) * 1_000_003 + step)
+        g = torch.Generator().manual_seed((int(seed) * _EPOCH_MIX + epoch) * _STEP_MIX + step)
         if int(torch.randint(workers, (1,), generator=g)) == worker:
             time.sleep(ms / 1000.0)

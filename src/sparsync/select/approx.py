@@ -33,6 +33,10 @@ import torch
 
 from .topk import topk_abs
 
+#: Guards the fp64 divisions by ``l1`` against 0 (an all-zero bucket); such buckets are replaced by
+#: the uniform ``k / m`` right after, so the value only has to be positive and far below any real ``l1``.
+_TINY = 1e-300
+
 __all__ = [
     "approx_topk",
     "approx_topk_at_most",
@@ -111,7 +115,7 @@ def bucket_probs(x: torch.Tensor, kb: int, bucket_size: int = 512) -> torch.Tens
     l1 = a.sum(1, keepdim=True)
     linf = a.amax(1, keepdim=True)
     eps = torch.where(mm > k, (k * linf - l1) / (mm - k).clamp(min=1), torch.zeros_like(l1)).clamp(min=0)
-    p = torch.where(linf * k <= l1, a * k / l1.clamp(min=1e-300), (a + eps) * k / (l1 + mm * eps).clamp(min=1e-300))
+    p = torch.where(linf * k <= l1, a * k / l1.clamp(min=_TINY), (a + eps) * k / (l1 + mm * eps).clamp(min=_TINY))
     p = torch.where(l1 == 0, k / mm, p)
     p = torch.where(k >= mm, torch.ones_like(p), p)
     return torch.where(valid, p.clamp(0.0, 1.0), torch.zeros_like(p))

@@ -50,7 +50,26 @@ __all__ = ["scratch_buffer", "topk_indices", "topk_rows", "topk_select"]
 #: them touch 4 MiB of cache lines, a few % of one pass over such a row), while the bracket's extra
 #: candidates at the cap, ``~4 k / sqrt(f s)``, are already only ~16 % of ``k`` at ``f`` = 1 %.
 _SAMPLE = 65536
-_MIN_ROW = 1 << 15  # rows shorter than this take the exact path directly (as cheap)
+#: Floor of step 1's sample. Below a few thousand samples ``f s`` is so small that the bracket's
+#: slack (``4 sqrt(f s) + 8``) sets the threshold and the candidates are several times ``k``; 4096 is
+#: 1/8 of the shortest row that samples (``_MIN_ROW``), so the sample stays a small part of the pass.
+#: A round value, not tuned by a measurement of its own.
+_MIN_SAMPLE = 4096
+#: Weight of the sample-size balance ``s = _BALANCE (k bs)^(1/3)``: minimising ``a s + b E`` with
+#: ``E = 4 sqrt(k bs / s)`` extra candidates gives ``s = (2 b / a)^(2/3) (k bs)^(1/3)``; 4 assumes a
+#: surplus candidate costs ~4x a sampled cache miss (a rough estimate, not fitted; the measured
+#: alternatives are in ``docs/benchmarks.md``, "Exact top-k").
+_BALANCE = 4.0
+#: Step 1's bracket ``kk = f s + _SIGMAS sqrt(f s) + _SLACK``: four standard deviations of the
+#: binomial sample count, plus a constant so that tiny ``f s`` (a handful of expected hits) still
+#: brackets the k-th magnitude from below.
+_SIGMAS, _SLACK = 4.0, 8
+#: Stands in for NaN magnitudes (and padding): every real magnitude is ``>= 0`` so ``-1`` ranks below all.
+_BELOW_ALL = -1.0
+#: Rows shorter than this take the exact path directly: the sample floor would be over 1/8 of the row,
+#: so the sampled path saves little (a judgement: no measurement of this cut-off is recorded).
+_MIN_ROW = 1 << 15
+_WORD = 8  # bytes of the int64 word the flags are scanned in (``nonzero`` over words, then inside)
 _MAX_FRACTION = 8  # k > bs / 8: the exact path directly (candidates would be most of the row)
 _SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile (8 // itemsize per word)
 
@@ -144,13 +163,13 @@ def _sample_threshold(X: torch.Tensor, k: int) -> torch.Tensor:
     """
     m, bs = X.shape
     # sample size: reading it costs ~s cache misses, a loose bracket costs ~4 k / sqrt(f s) extra
-    # candidates in step 3; balanced at s ~ (k bs)^(1/3), within [4096, _SAMPLE]
-    want = min(_SAMPLE, max(4096, int(4.0 * (k * bs) ** (1.0 / 3.0))))
+    # candidates in step 3; balanced at s ~ (k bs)^(1/3), within [_MIN_SAMPLE, _SAMPLE]
+    want = min(_SAMPLE, max(_MIN_SAMPLE, int(_BALANCE * (k * bs) ** (1.0 / 3.0))))
     stride = max(1, bs // want)
-    sample = X[:, ::stride].abs().nan_to_num_(nan=-1.0)
+    sample = X[:, ::stride].abs().nan_to_num_(nan=_BELOW_ALL)
     s = sample.shape[1]
     f = k / bs
-    kk = min(s, math.ceil(f * s + 4.0 * math.sqrt(f * s) + 8))
+    kk = min(s, math.ceil(f * s + _SIGMAS * math.sqrt(f * s) + _SLACK))
     t = _kth_largest(sample, kk)
     tiny = torch.nextafter(torch.zeros((), dtype=X.dtype), torch.ones((), dtype=X.dtype))
     return torch.maximum(t, tiny.to(X.device))
@@ -197,7 +216,7 @@ def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple
         return flat, X.view(-1)[flat].abs()
     size = min(CHUNK, m * bs)
     wf = scratch_buffer(scratch, "exact_topk_abs", size + 1, X.dtype, X.device)
-    wb = scratch_buffer(scratch, "exact_topk_flags", size + 8, torch.bool, X.device)  # offset 0: aligned
+    wb = scratch_buffer(scratch, "exact_topk_flags", size + _WORD, torch.bool, X.device)  # offset 0: aligned
     tt = t.to(X.dtype)
     below = torch.nextafter(tt, torch.zeros_like(tt)).tolist() if X.dtype in _SHRINK else None
     tt = tt[:, None]
@@ -206,16 +225,16 @@ def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple
         cols = c1 - c0
         L = rows * cols
         if rows == 1 and below is not None:
-            per = 8 // X.element_size()  # elements per 64-bit word
+            per = _WORD // X.element_size()  # elements per 64-bit word
             torch.ops.aten.hardshrink.out(X[r0, c0:c1], below[r0], out=wf[:L])
             flags, Le = wf, -(-L // per) * per
             wf[L:Le] = 0.0
         else:
-            per = 8
+            per = _WORD
             w = wf[:L].view(rows, cols)
             torch.abs(X[r0:r0 + rows, c0:c1], out=w)
             torch.ge(w, tt[r0:r0 + rows], out=wb[:L].view(rows, cols))
-            flags, Le = wb, -(-L // 8) * 8
+            flags, Le = wb, -(-L // _WORD) * _WORD
             wb[L:Le] = False
         words = torch.nonzero(flags[:Le].view(torch.int64)).squeeze(1)
         if words.numel() == 0:
@@ -254,9 +273,9 @@ def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
     cmax = int(counts.max())
     offs = torch.cumsum(counts, 0) - counts
     pos = torch.arange(flat.numel(), device=dev) - offs[rows]
-    cand = torch.full((m, cmax), -1.0, dtype=vals.dtype, device=dev)
+    cand = torch.full((m, cmax), _BELOW_ALL, dtype=vals.dtype, device=dev)
     cand[rows, pos] = vals
-    v = torch.topk(cand, k, dim=1, sorted=False).values.amin(dim=1)  # padding -1 is never chosen
+    v = torch.topk(cand, k, dim=1, sorted=False).values.amin(dim=1)  # padding is never chosen
     vr = v[rows]
     gt = vals > vr
     eq = vals == vr
@@ -285,7 +304,7 @@ def _kth_largest(a: torch.Tensor, k: int) -> torch.Tensor:
 def _exact_rows(X: torch.Tensor, k: int) -> torch.Tensor:
     """Exact path: the k-th largest magnitude of every whole row, then step 3 over the row."""
     m, bs = X.shape
-    a = X.abs().nan_to_num_(nan=-1.0)  # NaN ranks below every number
+    a = X.abs().nan_to_num_(nan=_BELOW_ALL)  # NaN ranks below every number
     v = _kth_largest(a, k)
     gt = a > v[:, None]
     eq = a == v[:, None]

@@ -261,6 +261,13 @@ def choose_edge(hist: torch.Tensor, target: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- threshold scaling
+#: The ``"micro"`` rule's constants, copied from the authors' reference code (``spec/micro.md`` §5,
+#: not re-derived): the +-10 % band around the target (``0.909 = 1 / 1.1``) and the factors above,
+#: inside and below it (at most 0.5 % per step; inside the band a slight upward drift).
+_MICRO_BAND = (0.909, 1.1)
+_MICRO_FACTORS = (1.005, 1.00125, 0.995)
+
+
 class ThresholdController:
     """Scales the selection threshold every step so the selected count tracks ``target``.
 
@@ -330,9 +337,9 @@ class ThresholdController:
         """Multiplier applied to ``delta`` after a step that selected ``count`` entries (pure)."""
         rho = int(count) / self.target
         if self.rule == "micro":
-            if rho > 1.1:
-                return 1.005
-            return 1.00125 if rho > 0.909 else 0.995
+            if rho > _MICRO_BAND[1]:
+                return _MICRO_FACTORS[0]
+            return _MICRO_FACTORS[1] if rho > _MICRO_BAND[0] else _MICRO_FACTORS[2]
         if abs(rho - 1.0) <= self.band:
             return 1.0
         if self.rule == "adaptive":
