@@ -112,3 +112,69 @@ def test_tiny_density_and_tiny_vectors(name):
     res = ss.run_local(_tiny, 8, name, timeout=30)  # n = 50 < ranges/blocks of 64 bins; k = 1
     assert all(k == 1 for k, _ in res)
     assert all(torch.equal(o, res[0][1][s]) for _, outs in res for s, o in enumerate(outs))
+
+
+def _cancelling(comm, n=4000, steps=3):
+    g = torch.Generator().manual_seed(11 + comm.rank)
+    r = ss.make_reducer("oktopk", comm, density=0.02)
+    errs, backs = [], []
+    for _ in range(steps):
+        base = torch.randn(n, generator=g, dtype=torch.float64)
+        base[:20] = 100.0  # 20 of the 80 largest entries of every rank: they cancel exactly across the 2 ranks
+        grad = base if comm.rank == 0 else torch.cat([-base[:20], base[20:]])
+        before = grad + (r.residual if r.residual is not None else 0)
+        out = r.reduce(grad)
+        with comm.unrecorded():
+            tot, rs = comm.allreduce(before), comm.allreduce(r.residual)
+        errs.append(float((tot - out - rs).abs().max()))
+        backs.append(bool((r.residual[:20] == before[:20]).all()) and bool((out[:20] == 0).all()))
+    return errs, backs, r.th_global
+
+
+def test_oktopk_cancelled_sums_stay_in_the_residuals():
+    """Selected entries whose sum over ranks is exactly 0 fail the global threshold (> 0): not in the
+    output, and every rank keeps its own value (what ``_in_global_set`` reads off the output)."""
+    for errs, backs, th in ss.run_local(_cancelling, 2):
+        assert th > 0 and max(errs) < 1e-12 and all(backs)
+
+
+def _threshold_step(comm, n=100_000):
+    g = torch.Generator().manual_seed(5 + comm.rank)
+    r = ss.make_reducer("oktopk", comm, density=0.01)
+    r.reduce(torch.randn(n, generator=g))  # the balancing step
+    snap = comm.ledger.snapshot()
+    r.reduce(torch.randn(n, generator=g))
+    cost = comm.ledger.since(snap)
+    return cost["rounds"], cost["bytes_received"], cost["header_messages"]
+
+
+@pytest.mark.parametrize("P", [2, 4, 5])
+def test_oktopk_threshold_step_ledger(P):
+    """Default ``recompute_every=1``, a step after the first estimate: one histogram all-gather around
+    the previous threshold gives the threshold and every region's kept count, so the final all-gather
+    has no count round (the only headers are the ``alltoallv``'s)."""
+    pred = OkTopkReducer.predicted_cost(P, 100_000, 1000)
+    for rounds, nbytes, headers in ss.run_local(_threshold_step, P):
+        assert rounds == pred["rounds"] == 3 * (P - 1) and _within(nbytes, pred["bytes_received"])
+        assert headers == P - 1
+
+
+def _both_selects(comm, k=300):
+    g = torch.Generator().manual_seed(3 + comm.rank)
+    keys = (torch.randn(2000, generator=g).abs() * torch.rand(2000, generator=g).exp()).view(torch.int32)
+    r = ss.make_reducer("oktopk", comm, density=0.01)
+    radix = r._global_threshold(keys, k)  # th_global is None: the two-level radix select
+    r.th_global = radix[0] * 1.7  # a previous threshold within a binade: the window hits
+    window = r._window_threshold(keys, k, int(torch.tensor([r.th_global]).view(torch.int32)[0]))
+    own = int((keys >= int(torch.tensor([radix[0]]).view(torch.int32)[0])).sum())
+    far = r._window_threshold(keys, k, int(torch.tensor([radix[0] * 8]).view(torch.int32)[0]))
+    return radix, window, own, far
+
+
+def test_oktopk_window_threshold_equals_the_radix_select():
+    """The one-all-gather window select gives the radix select's threshold bit for bit (both are the
+    lower edge of the 2^11-pattern cell holding the k-th magnitude) and every region's kept count;
+    a window that misses the k-th magnitude says so (None) on every rank."""
+    res = ss.run_local(_both_selects, 3)
+    for rank, (radix, window, own, far) in enumerate(res):
+        assert window == radix and radix[1][rank] == own and far is None

@@ -124,3 +124,28 @@ def test_reducer_bench_baseline_rows_alternate_inputs():
     with pytest.raises(ValueError, match="unknown baselines"):
         from sparsync.bench.reducers import run_reducer_bench
         run_reducer_bench(["topka"], [2], 100, 0.1, baselines=("nope",))
+
+
+def _threshold_worker(comm):
+    from sparsync.bench.reducers import _reducers_worker
+
+    tuned = _reducers_worker(comm, ["hard_threshold"], 200_000, 0.01, 2, 0, 0, {}, "t", False, "heavy_tail",
+                             ("reset",))
+    own = _reducers_worker(comm, ["hard_threshold"], 200_000, 0.01, 1, 0, 0,
+                           {"hard_threshold": {"threshold": "default"}}, "t", False, "heavy_tail", ("reset",))
+    return tuned["hard_threshold", "reset"], own["hard_threshold", "reset"]
+
+
+def test_reducer_bench_tunes_the_fixed_threshold_to_the_workload():
+    """``hard_threshold`` is a FIXED-threshold method the user tunes per setting: the bench sets it to
+    the k-th largest |g| of the first gradient, averaged over ranks (the same value on every rank), so
+    each rank selects ~k of issue 11's workload. Its own default ``1/(2 sqrt k)`` ignores the gradients'
+    scale: its density depends on n (0.7 % at n = 2e4, 4.2 % at 2e5, 28 % at 1e7)."""
+    from sparsync.select.threshold import initial_threshold
+
+    P, k = 3, 2_000
+    res = ss.run_local(_threshold_worker, P, backend="thread")
+    assert len({r["threshold"] for tuned, _ in res for r in tuned}) == 1  # one fixed value, every rank
+    for tuned, own in res:
+        assert all(0.8 * k <= r["selected"] <= 1.2 * k for r in tuned)
+        assert own[0]["threshold"] == initial_threshold(k) and own[0]["selected"] > 3 * k

@@ -325,7 +325,7 @@ def coalesce_in_order(idx_parts, val_parts, numel: int | None = None):
     torch.ne(s[1:], s[:-1], out=new[1:])
     run = torch.cumsum(new, 0).sub_(1)
     uniq = s[new].to(torch.int64)
-    out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device).index_add_(0, run, vals[perm])
+    out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device).index_add_(0, run, vals.index_select(0, perm))
     return uniq, out
 
 
@@ -336,6 +336,9 @@ class IndexFlags:
     are read, the members' are cleared again - three sparse passes instead of ``isin``'s sort of
     both lists (~20 ms per call at ``k = 1e5`` on this machine), and no pass over ``numel`` after
     the first call (the vector is allocated once, zero-filled, and kept by the caller).
+    The flags are bytes written by ``index_fill_`` and read by ``index_select``: on CPU these take
+    a third of the time of advanced indexing (``f[members] = True``, ``f[idx]``) on bool flags
+    (2.3 vs 7.2 ms at ``k = 1e5``, ``n = 1e7``, one thread).
     """
 
     def __init__(self):
@@ -349,10 +352,11 @@ class IndexFlags:
         """:meth:`isin` for several index lists against the same ``members`` (flags set once)."""
         f = self._flags
         if f is None or f.numel() != numel or f.device != members.device:
-            f = self._flags = torch.zeros(int(numel), dtype=torch.bool, device=members.device)
-        f[members] = True
-        hits = [f[idx] for idx in idx_lists]
-        f[members] = False
+            f = self._flags = torch.zeros(int(numel), dtype=torch.uint8, device=members.device)
+        members = members.to(torch.int64)
+        f.index_fill_(0, members, 1)
+        hits = [f.index_select(0, idx.to(torch.int64)).view(torch.bool) for idx in idx_lists]
+        f.index_fill_(0, members, 0)
         return hits
 
 

@@ -283,6 +283,38 @@ def _baseline_records(comm, baseline, grads, numel, density, steps, warmup):
     return recs
 
 
+#: reducers with a FIXED threshold the user must tune per setting (``spec/micro.md`` §7: the MiCRO
+#: paper's hard-threshold baseline "requires hyperparameter tuning for each model and dataset"):
+#: :func:`_reducer_options` sets it from the workload unless the options give ``threshold``
+FIXED_THRESHOLD = ("hard_threshold",)
+
+
+def tuned_threshold(comm, g: torch.Tensor, density: float) -> float:
+    """The fixed threshold that selects ``density`` of ``g``: its exact ``k``-th largest ``|g|``
+    (``k = density * n``), averaged over ranks (one small all-reduce, outside any timing) so every
+    rank uses the same value - how a user tunes a hard threshold to a target density once."""
+    from ..select.topk import k_for_density, topk_abs
+
+    _, vals = topk_abs(g, k_for_density(g.numel(), density))
+    kth = vals.abs().min().reshape(1).double()
+    with comm.unrecorded():
+        return float(comm.allreduce(kth)[0]) / comm.world_size
+
+
+def _reducer_options(comm, name: str, options: dict, grads, density: float) -> dict:
+    """``options`` for reducer ``name``; a fixed-threshold reducer (:data:`FIXED_THRESHOLD`) without a
+    ``threshold`` gets :func:`tuned_threshold` of this rank's first gradient, ``threshold="default"``
+    keeps its own default (``1/(2 sqrt k)``, which knows nothing of the gradients' scale: 28 % of
+    issue 11's heavy-tailed workload passes it at a 1 % target)."""
+    opts = dict(options)
+    if name in FIXED_THRESHOLD:
+        if opts.get("threshold") == "default":
+            del opts["threshold"]
+        elif opts.get("threshold") is None:
+            opts["threshold"] = tuned_threshold(comm, grads[0], density)
+    return opts
+
+
 def _reducers_worker(comm, reducers, numel, density, steps, warmup, seed, options, label, progress,
                      pattern="normal", residuals=("keep",), baselines=()):
     out = {}
@@ -292,9 +324,9 @@ def _reducers_worker(comm, reducers, numel, density, steps, warmup, seed, option
             if name in REDUCER_BASELINES:
                 out[name, mode] = _baseline_records(comm, name, grads, numel, density, steps, warmup)
             else:
+                opts = _reducer_options(comm, name, options.get(name, {}), grads, density)
                 out[name, mode] = time_reducer(comm, name, numel, density, steps=steps, warmup=warmup, seed=seed,
-                                               grads=grads, reset_residual=mode == "reset",
-                                               **options.get(name, {}))
+                                               grads=grads, reset_residual=mode == "reset", **opts)
             if progress and comm.rank == 0:
                 t = sorted(r["total_s"] for r in out[name, mode])
                 print(f"  [{label} P={comm.world_size}] n={numel:.3g} density={density:g} {name} "
@@ -335,7 +367,9 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
     (:func:`bench_grads`): ``pattern="normal"`` synthetic normal vectors (3 per rank, cycled: selection
     sees realistic magnitudes but not a real model's) or ``"heavy_tail"`` (issue 11's workload).
     ``residuals``: ``"keep"`` (error feedback carried between calls, the steady state) and/or
-    ``"reset"`` (residual zeroed before every call)."""
+    ``"reset"`` (residual zeroed before every call). ``options``: reducer name -> its options; a
+    fixed-threshold reducer (``hard_threshold``) gets a threshold tuned to the target density on the
+    first gradient unless its options give one (:func:`_reducer_options`)."""
     if pattern not in GRAD_PATTERNS:
         raise ValueError(f"unknown gradient pattern {pattern!r}; choose one of {', '.join(GRAD_PATTERNS)}")
     bad = [m for m in residuals if m not in RESIDUAL_MODES]

@@ -81,6 +81,21 @@ def _allreduce(args) -> int:
     return 1 if bad else 0
 
 
+def _threshold_options(value: str) -> dict:
+    """``--hard-threshold``: 'tuned' (no option: the bench tunes it), 'default' or a number."""
+    if value == "tuned":
+        return {}
+    if value == "default":
+        return {"hard_threshold": {"threshold": "default"}}
+    try:
+        t = float(value)
+    except ValueError:
+        t = 0.0
+    if not t > 0 or t == float("inf"):
+        raise UsageError(f"--hard-threshold must be 'tuned', 'default' or a number > 0, got {value!r}")
+    return {"hard_threshold": {"threshold": t}}
+
+
 def _reducers(args) -> int:
     from ..bench.reducers import expand_reducers, run_reducer_bench
     from ..bench.report import fmt_bytes, fmt_ms, fmt_num, fmt_speedup, format_table, write_csv
@@ -98,7 +113,7 @@ def _reducers(args) -> int:
                                  args.bandwidth, steps=args.steps, warmup=args.warmup,
                                  seed=args.seed, timeout=args.timeout, fallback_loopback=args.fallback_loopback,
                                  progress=not args.quiet, pattern=args.pattern, residuals=args.residual,
-                                 baselines=args.baselines or ())
+                                 baselines=args.baselines or (), options=_threshold_options(args.hard_threshold))
     except ValueError as e:
         raise UsageError(str(e)) from None
     except ClusterUnavailable as e:
@@ -160,5 +175,10 @@ def register(subparsers) -> None:
                    help="comma list of rows timed in the same run before the reducers: 'allreduce' (the bare "
                         "gloo all_reduce; then the 'vs dense' column is relative to it) and/or "
                         "'plain_allgather' (issue 11's plain all-gather + index_add_ of the exact top-k)")
+    r.add_argument("--hard-threshold", default="tuned",
+                   help="hard_threshold's fixed threshold: 'tuned' (default: the k-th largest |g| of each "
+                        "rank's first gradient, averaged over ranks - tuned to the target density once, as "
+                        "the method requires), 'default' (its own 1/(2 sqrt k), blind to the gradients' "
+                        "scale) or a number")
     r.set_defaults(func=_reducers)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

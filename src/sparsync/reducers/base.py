@@ -254,7 +254,7 @@ class Reducer:
         Takes ownership of ``acc`` (modified in place; no extra pass over the gradient).
         """
         if sent_vals is None or sent_vals.dtype == acc.dtype:
-            acc[sent_idx] = 0
+            acc.index_fill_(0, sent_idx.to(torch.int64), 0)  # on CPU ~half the time of acc[sent_idx] = 0
         else:
             acc[sent_idx] = acc[sent_idx] - sent_vals.to(acc.dtype)
         self.residual = acc

@@ -65,7 +65,7 @@ class HardThresholdReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = threshold_indices(acc, self.threshold, workspace=self._ws)
-            vals = self.wire_values(acc[idx])
+            vals = self.wire_values(acc.index_select(0, idx))
             self.keep_unsent(acc, idx, vals)
         with self.timed("comm"):
             bufs = self.comm.allgatherv(encode(SparseVec(idx, vals, self.numel, check=False)))

@@ -12,9 +12,11 @@ Per step on rank ``w``:
 3. **global selection by a threshold**: rank ``j`` keeps the entries of its region with
    ``|v| >= th_global``; ``th_global`` is re-evaluated every ``recompute_every`` steps (default 1,
    every step) as the ``k``-th largest reduced magnitude over all regions, to a relative ``2^-12``:
-   a radix select on the fp32 bit pattern, two 1024-bin histograms summed with small all-reduces
+   a radix select on the fp32 bit pattern, two 1024-bin histograms exchanged with small all-gathers
    (:meth:`OkTopkReducer._global_threshold`); in between it is reused.
-4. ``allgatherv`` of the kept entries -> everyone builds the same dense sum (regions are disjoint).
+4. all-gather of the kept entries -> everyone builds the same dense sum (regions are disjoint); on a
+   threshold step every region's count is known from the histograms (one padded all-gather, no count
+   round), otherwise ``allgatherv``.
 
 **Steady state with error feedback** (why the defaults differ from the paper's 32-step reuse): with
 the residual kept between calls, a threshold estimated once and reused drifts far from the target.
@@ -35,12 +37,13 @@ inside a region) or dropped entirely, and then every contributor gets its own va
 Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
 recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
-the global-set test goes through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`).
+which own entries the global selection kept is read off the output (:meth:`OkTopkReducer._in_global_set`).
 
-Cost (data phases): ``alltoallv`` ``P-1`` rounds + ring ``allgatherv`` ``P-1`` rounds (Table I:
+Cost (data phases): ``alltoallv`` ``P-1`` rounds + ring all-gather ``P-1`` rounds (Table I:
 ``2(P + log P)``); bytes about ``4(P-1)/P k`` units, within Table I's ``[2(P-1)/P k, 6(P-1)/P k]``.
-Sizes are data dependent: headers are paid (``alltoallv`` counts, ``allgatherv`` counts).
-Re-evaluation steps add two small all-reduces (threshold) and balancing steps one small ``allreduce``.
+Sizes are data dependent: headers are paid (``alltoallv`` counts; ``allgatherv`` counts on steps
+without a threshold re-evaluation). Re-evaluation steps add two small all-gathers (threshold) and
+balancing steps one small ``allreduce``.
 ``stats["global_selected"]``: entries kept by the global selection (the output's support).
 """
 
@@ -49,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from ..spardl.wire import pack, pair_bytes, unpack
-from ..sparse import IndexFlags, coalesce_in_order
+from ..sparse import coalesce_in_order
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -64,8 +67,18 @@ _BINS_PER_RANK = 64
 #: Threshold radix select (``_global_threshold``): 2^10 bins per level, i.e. 10 bits of the fp32
 #: pattern per level (the shifts 21 and 11 there: bits 30..21, then 20..11). Two levels give the
 #: exponent and 12 mantissa bits, a relative width of 2^-12 (``k`` to ``k`` + entries within 0.02 %),
-#: with two all-reduces of 8 KiB each (latency-bound); one level of 2^20 bins would move 8 MiB.
+#: with two all-gathers of 8 KiB per rank each (latency-bound); one level of 2^20 bins would move 8 MiB.
 _TH_BINS = 1024
+#: One-level threshold select (``_window_threshold``): ``2^13`` bins of ``2^11`` fp32 patterns (the
+#: same relative width 2^-12 as two radix levels) centred on the previous threshold: one binade each
+#: way (the k-th magnitude may halve or double between steps), one all-gather of 32 KiB of int32
+#: counts per rank instead of two latency-bound ones; outside the window, the radix select runs.
+_WIN_BINS, _WIN_SHIFT = 1 << 13, 11
+
+
+def _bits(th: float) -> int:
+    """The fp32 bit pattern of a non-negative threshold, as an int (``|v| >= th`` <=> ``key >= bits``)."""
+    return int(torch.tensor([th], dtype=torch.float32).view(torch.int32)[0])
 
 
 @register("oktopk")
@@ -80,7 +93,6 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         self.th_global: float | None = None
         self.bounds: list[int] | None = None
         self._scratch: dict = {}
-        self._global_set = IndexFlags()
 
     def _reduce(self, grad):
         comm = self.comm
@@ -89,7 +101,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals = acc[idx]
+            vals = acc.index_select(0, idx)  # index_select/index_copy_: a third of [] indexing's time on CPU
             self.th_local = float(vals.abs().min()) if idx.numel() else 0.0
         self.stats["selected"] = idx.numel()
         if self.bounds is None or self.step % self.balance_every == 0:
@@ -105,58 +117,112 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
             pb = pair_bytes(acc.dtype)
             lists = [unpack(x, 1, x.numel() // pb, acc.dtype) for x in got]
             ri, rv = coalesce_in_order([li[0] for li, _ in lists], [v[0] for _, v in lists], n)  # rank order
+        keys = rv.abs().to(torch.float32).view(torch.int32)  # |v| orders like its fp32 bit pattern
+        counts = None
         if recompute:
             with comm.phase("oktopk:threshold"), self.timed("comm"):
-                self.th_global = self._global_threshold(rv.abs(), k)
+                self.th_global, counts = self._global_threshold(keys, k)
         with self.timed("select"):
-            keep = rv.abs() >= self.th_global
-            gi, gv = ri[keep], rv[keep]
+            keep = torch.nonzero(keys >= _bits(self.th_global)).squeeze(1)
+            gi, gv = ri.index_select(0, keep), rv.index_select(0, keep)
         with comm.phase("oktopk:allgather"), self.timed("comm"):
-            bufs = comm.allgatherv(pack(gi, gv)) if P > 1 else [pack(gi, gv)]
+            bufs = self._allgather_kept(pack(gi, gv), counts, pb)
         with self.timed("select"):
             out = self.zeros_output(n, acc.dtype, acc.device)  # recycled: no page faults
             self.stats["global_selected"] = sum(x.numel() for x in bufs) // pb
-            fin = []
             for x in bufs:
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
-                out[fi[0]] = fv[0]
-                fin.append(fi[0])
-            sent = idx[self._global_set.isin(idx, torch.cat(fin), n)]  # O(k), no sort
-            self.keep_unsent(acc, sent)  # own values outside the global set stay (end-procedure)
+                out.index_copy_(0, fi[0], fv[0])
+            self.keep_unsent(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
         return out
 
-    def _global_threshold(self, mags: torch.Tensor, k: int) -> float:
-        """The ``k``-th largest reduced magnitude over all regions, to 12 bits, from two small all-reduces.
+    def _in_global_set(self, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Bool mask over this rank's selected ``idx``: which of them the global selection kept.
 
-        A radix select across ranks on the fp32 bit pattern of ``|v|`` (non-negative floats order
-        like their bit patterns as integers): a 1024-bin histogram of bits 30..21 (exponent and two
-        mantissa bits) summed over the ranks fixes the bin of the ``k``-th magnitude; a second
-        1024-bin histogram of bits 20..11 inside that bin fixes it to a relative width of
-        ``2^-12``. The threshold is the lower edge of that sub-bin, so ``k`` to ``k`` + (entries
-        within 0.02 % of the ``k``-th magnitude) pass. Every rank derives it from the same summed
-        counts: identical everywhere. Exact alternatives (gathering up to ``k`` magnitudes from
-        every region) cost ``(P-1) k`` values.
+        With ``th_global > 0`` an index is kept iff its reduced value has ``|v| >= th_global > 0``,
+        and only kept indices are written into the zero-filled ``out`` (regions are disjoint), so
+        kept <=> ``out[i] != 0``: one gather of ``k`` entries of the output just written, no set
+        test. (A reduced sum that overflowed to inf is kept and non-zero; NaN is never kept.) With
+        ``th_global == 0`` (fewer than ``k`` entries in all regions) every entry was kept, zero sums too.
         """
-        keys = mags.to(torch.float32).view(torch.int32)
+        if not self.th_global:
+            return torch.ones(idx.numel(), dtype=torch.bool, device=idx.device)
+        return out.index_select(0, idx) != 0
+
+    def _global_threshold(self, keys: torch.Tensor, k: int) -> tuple[float, list[int]]:
+        """The ``k``-th largest reduced magnitude over all regions, to 12 bits, from two small
+        all-gathers, and how many entries of every region pass it.
+
+        A radix select across ranks on ``keys``, the fp32 bit patterns of ``|v|`` (non-negative
+        floats order like their bit patterns as integers): a 1024-bin histogram of bits 30..21
+        (exponent and two mantissa bits) summed over the ranks fixes the bin of the ``k``-th
+        magnitude; a second 1024-bin histogram of bits 20..11 inside that bin fixes it to a relative
+        width of ``2^-12``. The threshold is the lower edge of that sub-bin, so ``k`` to ``k`` +
+        (entries within 0.02 % of the ``k``-th magnitude) pass. Every rank derives it from the same
+        counts: identical everywhere. The histograms are all-gathered, not all-reduced: ``P - 1``
+        ring rounds instead of ``2(P - 1)``, and since the threshold is a bin edge, every rank's
+        count of ``keys >= threshold`` is read off the gathered rows - the final all-gather then
+        needs no count exchange (:meth:`_allgather_kept`). Exact alternatives (gathering up to ``k``
+        magnitudes from every region) cost ``(P-1) k`` values. After the first estimate one
+        all-gather usually does (:meth:`_window_threshold`).
+        """
+        if self.th_global:
+            found = self._window_threshold(keys, k, _bits(self.th_global))
+            if found is not None:
+                return found
         hi = torch.bitwise_right_shift(keys, 21)
-        hist = torch.bincount(hi, minlength=_TH_BINS).to(torch.float64)
-        if self.comm.world_size > 1:
-            hist = self.comm.allreduce(hist)
-        from_top = torch.cumsum(hist.flip(0), 0)  # from_top[i]: count in the top i + 1 bins
-        if float(from_top[-1]) < k:
-            return 0.0  # fewer than k entries in all regions: keep them all
-        i = int(torch.searchsorted(from_top, torch.tensor([float(k)], dtype=torch.float64)))
+        rows = self._gather_rows(torch.bincount(hi, minlength=_TH_BINS))  # [P, bins]: every rank's histogram
+        from_top = torch.cumsum(rows.sum(0).flip(0), 0)  # from_top[i]: count in the top i + 1 bins
+        if int(from_top[-1]) < k:
+            return 0.0, rows.sum(1).tolist()  # fewer than k entries in all regions: keep them all
+        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype)))
         j1 = _TH_BINS - 1 - i
-        above = float(from_top[i - 1]) if i else 0.0
         sub = torch.bitwise_and(torch.bitwise_right_shift(keys[hi == j1], 11), _TH_BINS - 1)
-        hist2 = torch.bincount(sub, minlength=_TH_BINS).to(torch.float64)
-        if self.comm.world_size > 1:
-            hist2 = self.comm.allreduce(hist2)
-        from_top2 = torch.cumsum(hist2.flip(0), 0) + above
-        i2 = int(torch.searchsorted(from_top2, torch.tensor([float(k)], dtype=torch.float64)))
+        rows2 = self._gather_rows(torch.bincount(sub, minlength=_TH_BINS))
+        from_top2 = torch.cumsum(rows2.sum(0).flip(0), 0) + (int(from_top[i - 1]) if i else 0)
+        i2 = int(torch.searchsorted(from_top2, torch.tensor([k], dtype=from_top2.dtype)))
         j2 = _TH_BINS - 1 - min(i2, _TH_BINS - 1)
+        counts = rows[:, j1 + 1:].sum(1) + rows2[:, j2:].sum(1)  # per rank: bins above j1, sub-bins >= j2
         bits = torch.tensor([(j1 << 21) | (j2 << 11)], dtype=torch.int32)
-        return float(bits.view(torch.float32)[0])
+        return float(bits.view(torch.float32)[0]), counts.tolist()
+
+    def _window_threshold(self, keys: torch.Tensor, k: int, center: int) -> tuple[float, list[int]] | None:
+        """:meth:`_global_threshold` from one all-gathered histogram: ``_WIN_BINS`` bins of
+        ``2^_WIN_SHIFT`` bit patterns starting one binade below ``center`` (the previous threshold's
+        pattern; the same on every rank), plus one bin for everything below and one for everything
+        above the window. The bins are the radix select's level-2 cells, so the threshold is the
+        same bit for bit. None (on every rank alike: they see the same counts) when the ``k``-th
+        magnitude is not inside the window."""
+        lo = max(0, (center >> _WIN_SHIFT << _WIN_SHIFT) - (_WIN_BINS << _WIN_SHIFT) // 2)  # cells as the radix's
+        b = torch.bitwise_right_shift(keys - lo, _WIN_SHIFT).clamp_(-1, _WIN_BINS).add_(1)  # 0: below, W + 1: above
+        rows = self._gather_rows(torch.bincount(b, minlength=_WIN_BINS + 2).to(torch.int32))
+        from_top = torch.cumsum(rows.sum(0, dtype=torch.int64).flip(0), 0)  # from_top[i]: top i + 1 bins
+        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype)))
+        if not 1 <= i <= _WIN_BINS:
+            return None  # the k-th magnitude is above the window, below it, or there are fewer than k
+        j = _WIN_BINS + 1 - i  # its bin, counting the below-bin as 0
+        bits = torch.tensor([lo + ((j - 1) << _WIN_SHIFT)], dtype=torch.int32)
+        return float(bits.view(torch.float32)[0]), rows[:, j:].sum(1, dtype=torch.int64).tolist()
+
+    def _gather_rows(self, hist: torch.Tensor) -> torch.Tensor:
+        """``[P, bins]``: every rank's histogram, in rank order (one ring all-gather)."""
+        if self.comm.world_size == 1:
+            return hist.view(1, -1)
+        return torch.stack(self.comm.allgather(hist))
+
+    def _allgather_kept(self, buf: torch.Tensor, counts: list[int] | None, pb: int) -> list[torch.Tensor]:
+        """Every region's kept (index, value) pairs in rank order: with the ``counts`` known from the
+        threshold step, one all-gather padded to the largest (no count round); else ``allgatherv``."""
+        comm = self.comm
+        if comm.world_size == 1:
+            return [buf]
+        if counts is None:
+            return comm.allgatherv(buf)
+        m = max(counts) * pb
+        if m == 0:
+            return [buf[:0] for _ in counts]
+        padded = buf if buf.numel() == m else torch.cat([buf, buf.new_zeros(m - buf.numel())])
+        return [x[:c * pb] for x, c in zip(comm.allgather(padded), counts)]
 
     def _balance(self, idx, n, P):
         nb = P * _BINS_PER_RANK
@@ -185,12 +251,14 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, recompute_every=1, **_):
         """This code's ledger on a step without re-balancing, maximum over ranks: ``2(P-1)`` rounds
-        (``alltoallv`` + ring ``allgatherv``), plus, on a threshold step (every step with the default
-        ``recompute_every=1``), two ring all-reduces of ``_TH_BINS`` float64 counts (``4(P-1)`` rounds,
-        ``2 * 2(P-1) 8 _TH_BINS / P`` bytes; one when fewer than ``k`` entries exist at all). Data bytes
+        (``alltoallv`` + ring all-gather), plus, on a threshold step (every step with the default
+        ``recompute_every=1``), one ring all-gather of ``_WIN_BINS + 2`` int32 counts (``P-1`` rounds,
+        ``(P-1) 4 (_WIN_BINS + 2)`` bytes: the usual case, the k-th magnitude within a binade of the
+        previous threshold; the first estimate and misses add two all-gathers of ``_TH_BINS`` int64
+        counts, ``2(P-1)`` rounds and ``2 (P-1) 8 _TH_BINS`` bytes). Data bytes
         depend on where the selected indices fall, so they are bounds, from the per-rank selected
         ``counts`` (default ``k`` each): the ``alltoallv`` brings at most every other rank's selection
-        (``sum - min``), the ``allgatherv`` at most ``P-1`` region lists of at most ``sum`` entries.
+        (``sum - min``), the all-gather at most ``P-1`` region lists of at most ``sum`` entries.
         Balancing steps add one small all-reduce. The paper's Table I figures are :meth:`table_cost`."""
         if P <= 1:
             return {"rounds": 0, "bytes_received": 0}
@@ -198,8 +266,8 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         pb = index_bytes + value_bytes
         rounds, extra = 2 * (P - 1), 0
         if int(recompute_every) == 1:
-            rounds += 4 * (P - 1)
-            extra = 2 * (2 * (P - 1) * 8 * _TH_BINS // P)
+            rounds += P - 1
+            extra = (P - 1) * 4 * (_WIN_BINS + 2)
         return {"rounds": rounds, "bytes_received": (extra, extra + (sum(c) - min(c) + (P - 1) * sum(c)) * pb)}
 
     @staticmethod

@@ -16,8 +16,10 @@ Passes over the ``n`` entries per call (everything else is ``O(k)``): ``A = grad
 one of two recycled work buffers, one read by the exact per-block top-k kernel (every block is
 selected once, when it is sent; the preserved block at the end), one zero fill of the recycled output
 (:meth:`~sparsync.reducers.base.Reducer.zeros_output`). The residual schemes restore only the
-touched entries (:class:`~sparsync.spardl.residuals.WorkBuffer`) and test membership in the final
-index set through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`), not by sorting.
+touched entries (:class:`~sparsync.spardl.residuals.WorkBuffer`); ``partial`` tests membership in the
+final index set through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`), not by
+sorting, and ``global`` needs no membership test (``R`` is read on the final set before the restore
+and written back after it).
 Before these changes a call also page-faulted a fresh ``n``-element output and sorted the index lists
 in ``isin`` (profile in ``docs/benchmarks.md``, "2026-11-22 evening").
 

@@ -220,6 +220,8 @@ def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple
     tt = t.to(X.dtype)
     below = torch.nextafter(tt, torch.zeros_like(tt)).tolist() if X.dtype in _SHRINK else None
     tt = tt[:, None]
+    if below is not None and (m == 1 or 2 * bs > CHUNK):  # every tile is one row: hardshrink tiles
+        return _candidates_shrink(X, below, wf)
     outs, mags = [], []
     for start, rows, r0, c0, c1 in _tiles(m, bs, CHUNK):
         cols = c1 - c0
@@ -239,13 +241,50 @@ def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple
         words = torch.nonzero(flags[:Le].view(torch.int64)).squeeze(1)
         if words.numel() == 0:
             continue
-        ij = torch.nonzero(flags[:Le].view(-1, per)[words]) if per > 1 else None
-        local = words if ij is None else words[ij[:, 0]] * per + ij[:, 1]
-        mags.append(wf[local].abs())  # still in cache
+        # index_select, not [] indexing: a third of the time on CPU (no TensorIterator set-up)
+        ij = torch.nonzero(flags[:Le].view(-1, per).index_select(0, words)) if per > 1 else None
+        local = words if ij is None else words.index_select(0, ij[:, 0]).mul_(per).add_(ij[:, 1])
+        mags.append(wf.index_select(0, local).abs_())  # still in cache
         outs.append(local.add_(start))
     if not outs:
         return torch.empty(0, dtype=torch.int64, device=X.device), X.new_empty(0)
     flat, vals = (outs[0], mags[0]) if len(outs) == 1 else (torch.cat(outs), torch.cat(mags))
+    num = vals == vals
+    if not bool(num.all()):
+        flat, vals = flat[num], vals[num]
+    return flat, vals
+
+
+def _candidates_shrink(X: torch.Tensor, below: list, wf: torch.Tensor):
+    """:func:`_candidates` when every tile is (part of) one row and ``X`` is fp32/fp64.
+
+    Per tile only two fused ops stay in the loop - ``hardshrink`` into the cache-resident
+    workspace and ``nonzero`` over it viewed as 64-bit words - plus a gather of the few non-zero
+    words (their bits hold the candidates' values). Splitting the words into elements, the
+    magnitudes and the NaN filter run once over all tiles' words after the loop (a per-tile
+    second ``nonzero`` and four gathers cost ~2x the pass itself at 1 % density; spardl profile in
+    ``docs/benchmarks.md``, "SparDL's local work").
+    """
+    m, bs = X.shape
+    per = 8 // X.element_size()  # elements per 64-bit word
+    wvals, wpos = [], []
+    for start, _rows, r0, c0, c1 in _tiles(m, bs, CHUNK):
+        L = c1 - c0
+        Le = -(-L // per) * per
+        torch.ops.aten.hardshrink.out(X[r0, c0:c1], below[r0], out=wf[:L])
+        if Le > L:
+            wf[L:Le] = 0.0
+        words = wf[:Le].view(torch.int64)
+        nz = torch.nonzero(words).squeeze(1)
+        if nz.numel():
+            wvals.append(words[nz])
+            wpos.append(nz.mul_(per).add_(start))
+    if not wpos:
+        return torch.empty(0, dtype=torch.int64, device=X.device), X.new_empty(0)
+    fl = torch.cat(wvals).view(X.dtype)  # the words' elements, word by word (ascending positions)
+    sel = torch.nonzero(fl).squeeze(1)  # NaN passes hardshrink and is dropped below
+    flat = torch.cat(wpos)[torch.div(sel, per, rounding_mode="floor")].add_(sel.remainder(per))
+    vals = fl[sel].abs_()
     num = vals == vals
     if not bool(num.all()):
         flat, vals = flat[num], vals[num]
@@ -276,6 +315,9 @@ def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
     cand[rows, pos] = vals
     v = torch.topk(cand, k, dim=1, sorted=False).values.amin(dim=1)  # padding is never chosen
     vr = v[rows]
+    keep = vals >= vr  # >= k per row; exactly k in every row iff m*k in all (no ties at v: the usual case)
+    if int(keep.sum()) == m * k:
+        return flat[keep]
     gt = vals > vr
     eq = vals == vr
     need = k - torch.bincount(rows[gt], minlength=m)  # entries still wanted at the k-th magnitude

@@ -132,8 +132,8 @@ def threshold_indices(x: torch.Tensor, delta: float, *, chunk: int = CHUNK,
         words = torch.nonzero(w.view(torch.int64)).squeeze(1)
         if words.numel() == 0:
             continue
-        ij = torch.nonzero(w.view(-1, 2)[words])
-        outs.append(words[ij[:, 0]] * 2 + ij[:, 1] + (s + offset))
+        ij = torch.nonzero(w.view(-1, 2).index_select(0, words))  # index_select: a third of []'s time
+        outs.append(words.index_select(0, ij[:, 0]).mul_(2).add_(ij[:, 1]).add_(s + offset))
     if not outs:
         return torch.empty(0, dtype=torch.int64, device=x.device)
     return outs[0] if len(outs) == 1 else torch.cat(outs)

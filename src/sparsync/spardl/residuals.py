@@ -8,8 +8,10 @@ copy ``Gcopy = A`` (one more pass over ``n``), every in-place modification first
 the touched positions (sparse, O(k) per step); undoing them in reverse order restores ``A`` exactly
 where needed:
 
-* ``global`` (GRES): ``xi = R`` on the final index set ``I``, ``A`` elsewhere — restore touched
-  positions outside ``I``. Conserving: ``sum_w (G_w + xi_old) == g_sum + sum_w xi_new``.
+* ``global`` (GRES): ``xi = R`` on the final index set ``I``, ``A`` elsewhere — read ``R`` on ``I``,
+  restore every touched position, write ``R`` back on ``I`` (two O(k) index passes instead of a
+  membership test of every touched position in ``I``). Conserving:
+  ``sum_w (G_w + xi_old) == g_sum + sum_w xi_new``.
 * ``partial`` (PRES, local + end-procedure): ``xi = A`` everywhere except own-selected positions in ``I``
   (those are zero). In-procedure residuals (others' values discarded here at surviving indices) are lost.
 * ``local`` (LRES, DGC-style): ``xi = A`` with every position this worker selected zeroed; in-procedure
@@ -35,10 +37,13 @@ class WorkBuffer:
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._own: list[torch.Tensor] = []
 
-    def zero_selected(self, rows: torch.Tensor, first_block: int, sel: torch.Tensor, own: bool = True):
-        """Zero ``sel`` (``[m, c]`` column indices) in rows ``first_block..`` (a view of ``blocks``)."""
+    def zero_selected(self, rows: torch.Tensor, first_block: int, sel: torch.Tensor, own: bool = True,
+                      vals: torch.Tensor | None = None):
+        """Zero ``sel`` (``[m, c]`` column indices) in rows ``first_block..`` (a view of ``blocks``).
+
+        ``vals``: ``rows.gather(1, sel)`` when the caller has it already (saves a gather)."""
         pos = (sel + (torch.arange(rows.shape[0], device=sel.device) + first_block)[:, None] * self.bs).view(-1)
-        self._saved.append((pos, self.flat[pos]))
+        self._saved.append((pos, self.flat[pos] if vals is None else vals.reshape(-1)))
         rows.scatter_(1, sel, 0)
         if own:
             self._own.append(pos)
@@ -53,20 +58,18 @@ class WorkBuffer:
     def finish(self, mode: str, final_pos: torch.Tensor, members: IndexFlags | None = None) -> torch.Tensor:
         """The new residual (padded length) for ``mode``; ``final_pos`` = flat positions of ``I``.
 
-        ``members``: an :class:`~sparsync.sparse.IndexFlags` the caller keeps across steps, for the
-        O(k) membership tests in ``I`` (a fresh one - one zero fill of the buffer's length - otherwise).
+        ``members``: an :class:`~sparsync.sparse.IndexFlags` the caller keeps across steps, for
+        ``partial``'s O(k) membership test in ``I`` (a fresh one - one zero fill of the buffer's
+        length - otherwise; ``global`` and ``local`` need none).
         """
         X = self.flat
-        members = members or IndexFlags()
-        if mode == "global":
-            saved = self._saved[::-1]
-            hits = members.isin_many([pos for pos, _ in saved], final_pos, X.numel())
-            for (pos, old), hit in zip(saved, hits):
-                out = ~hit
-                X[pos[out]] = old[out]
-            return X
+        kept = X[final_pos] if mode == "global" else None  # R on I, read before the restore
         for pos, old in reversed(self._saved):
             X[pos] = old
+        if mode == "global":  # A everywhere, R on I: no membership test needed
+            X[final_pos] = kept
+            return X
+        members = members or IndexFlags()
         own = torch.cat(self._own) if self._own else final_pos[:0]
         if mode == "partial":
             own = own[members.isin(own, final_pos, X.numel())]

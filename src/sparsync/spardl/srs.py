@@ -46,7 +46,7 @@ def spar_reduce_scatter(comm, work, kb: int, group: list[int], pos: int, timed=_
                 sel = block_topk(rows, kb, scratch)
                 idx_parts.append(sel)
                 val_parts.append(rows.gather(1, sel))
-                work.zero_selected(rows, a, sel)
+                work.zero_selected(rows, a, sel, vals=val_parts[-1])
             msg = pack(torch.cat(idx_parts) if len(idx_parts) > 1 else idx_parts[0],
                        torch.cat(val_parts) if len(val_parts) > 1 else val_parts[0])
         with timed("comm"):
@@ -59,5 +59,5 @@ def spar_reduce_scatter(comm, work, kb: int, group: list[int], pos: int, timed=_
         rows = X[pos:pos + 1]
         sel = block_topk(rows, kb, scratch)
         vals = rows.gather(1, sel)
-        work.zero_selected(rows, pos, sel)
+        work.zero_selected(rows, pos, sel, vals=vals)
     return sel[0], vals[0]  # block_topk's columns are ascending
