@@ -346,7 +346,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
             if calibrate:
                 edges = calibration_edges(center, self.spread_now, self.bins, acc.dtype, acc.device)
                 cand = threshold_indices(acc[start:end], float(edges[0]), workspace=self._ws, offset=start)
-                absv = acc[cand].abs()
+                absv = acc.index_select(0, cand).abs_()  # index_select: ~3x cheaper than [] on CPU
                 hist, bucket = local_histogram(absv, edges)
             else:
                 delta = center
@@ -375,18 +375,19 @@ class MicroReducer(BufferedAccumulator, Reducer):
             K = union.numel()
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
+                    mine = acc.index_select(0, union)
                     if self.values == "owner":
-                        sent = self.wire_values(acc[union])
+                        sent = self.wire_values(mine)
                         vals = self._owner_sum(sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)],
                                                step, acc.dtype)
                     else:
-                        sent, vals = self.allreduce_wire_values(acc[union])
+                        sent, vals = self.allreduce_wire_values(mine)
         with self.timed("update"):
             if K:
                 if sent.dtype == acc.dtype:
                     acc.index_fill_(0, union, 0)
                 else:  # half values sent: the rounding error stays
-                    acc[union] = acc[union] - sent.to(acc.dtype)
+                    acc.index_copy_(0, union, mine - sent.to(acc.dtype))
             else:
                 vals = acc.new_zeros(0)
             out = IndexedSum(union, vals, self.numel)
