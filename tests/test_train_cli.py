@@ -78,3 +78,8 @@ def test_run_default_verdict_and_choice():
     assert "NOT faster than ddp-powersgd1" in verdict(base + [{**fast, "time_to_target_s": 9.5}])
     assert "no sparse configuration" in verdict(base + [row("s2", None)])
     assert "cannot judge" in verdict(base[:2] + [fast])
+    # a faster row that ends 2 points below dense is not the best one; the accurate one is judged
+    out = verdict(base + [{**fast, "label": "sloppy", "time_to_target_s": 3.0, "final_accuracy": 0.95}, fast])
+    assert "best sparse micro reached the target in 3.90 s" in out and out.startswith("goal MET")
+    out = verdict(base + [{**fast, "final_accuracy": 0.95}])  # none within 0.5 points: the fastest, judged
+    assert "[NO] final accuracy +2.00" in out

@@ -85,11 +85,15 @@ def run(a) -> int:
 
 
 def verdict(summaries: list[dict]) -> str:
-    """Issue 10's goal, checked on make run's own rows. The best sparse configuration (least time to
-    target) must: reach the target in <= 0.5x torch DDP + fp16's time and in less than both PowerSGD
-    rows' (a row that never reached it counts as infinitely slow), end within 0.5 accuracy points of
-    dense SparseDDP, and take <= 1.5x the no-communication floor's step. Also reported: dense
-    SparseDDP's step against torch DDP's (goal <= 1.05x)."""
+    """Issue 10's goal, checked on make run's own rows.
+
+    The best sparse configuration is the one with the least time to target among those that end
+    within 0.5 accuracy points of dense SparseDDP (a faster one that ends lower is not what a user
+    would pick; when none qualifies, the fastest). It must reach the target in <= 0.5x torch DDP +
+    fp16's time and in less than both PowerSGD rows' (a row that never reached it counts as
+    infinitely slow), end within 0.5 accuracy points of dense SparseDDP, and take <= 1.5x the
+    no-communication floor's step. Also reported: dense SparseDDP's step against torch DDP's
+    (goal <= 1.05x)."""
     by = {s["reducer"]: s for s in summaries if s["reducer"] in ("dense", "nocomm", *TORCH_ROWS)}
     sparse = [s for s in summaries if s["reducer"] not in by]
     if "dense" not in by or "ddp-fp16" not in by or not sparse:
@@ -97,7 +101,10 @@ def verdict(summaries: list[dict]) -> str:
     reached = [s for s in sparse if s.get("time_to_target_s") is not None]
     if not reached:
         return "goal NOT met: no sparse configuration reached the target accuracy"
-    best = min(reached, key=lambda s: s["time_to_target_s"])
+    d_acc = by["dense"].get("final_accuracy")
+    accurate = [s for s in reached if d_acc is not None and s.get("final_accuracy") is not None
+                and 100 * (d_acc - s["final_accuracy"]) <= 0.5]
+    best = min(accurate or reached, key=lambda s: s["time_to_target_s"])
     tt = best["time_to_target_s"]
     inf = float("inf")
     ttt = lambda r: inf if r not in by or by[r].get("time_to_target_s") is None else by[r]["time_to_target_s"]
@@ -109,7 +116,6 @@ def verdict(summaries: list[dict]) -> str:
             t = ttt(r)
             checks.append((tt < t, f"{'faster' if tt < t else 'NOT faster'} than {r} "
                                    f"({'not reached' if t == inf else f'{t:.2f} s'})"))
-    d_acc = by["dense"].get("final_accuracy")
     if d_acc is not None and best.get("final_accuracy") is not None:
         gap = 100 * (d_acc - best["final_accuracy"])
         checks.append((gap <= 0.5, f"final accuracy {gap:+.2f} points below dense (goal <= 0.5)"))
