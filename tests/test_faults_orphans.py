@@ -26,7 +26,10 @@ def _kill_launcher(tmp_path, sig, *extra):
         # the launcher's own exit (SIGINT: KeyboardInterrupt through the CLI, then interpreter
         # teardown with torch loaded) took over 10 s in full-suite runs beside other jobs (load
         # 10-16); what must be prompt is the ranks' and the store's end, checked below
-        p.wait(timeout=30)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the launcher did not exit within 30 s of {sig!r}: {_where(p.pid)}") from None
         left = wait_clean(p.pid, below, timeout=5.0)
         assert left == {}, f"left behind after {sig!r}: {left}"
     finally:
@@ -50,6 +53,23 @@ def test_launcher_death_loopback_leaves_nothing(tmp_path, sig):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_launcher_death_emulated_network_leaves_nothing(tmp_path, needs_netns, sig):
     _kill_launcher(tmp_path, sig, "--bandwidth", "1gbit")
+
+
+def _where(pid: int) -> str:
+    """Where a stuck process and its children wait (kernel wait channel, state), for the failure message."""
+    out = []
+    for q in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{q}/wchan") as f:
+                wchan = f.read().strip()
+            with open(f"/proc/{q}/stat") as f:
+                state = f.read().split(") ")[-1].split()[0]
+            with open(f"/proc/{q}/comm") as f:
+                name = f.read().strip()
+            out.append(f"{q} {name} {state} {wchan}")
+        except OSError:
+            out.append(f"{q} gone")
+    return "; ".join(out)
 
 
 def _dead_pid() -> int:
