@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -19,9 +20,17 @@ def train_cmd(runs_dir, name, *extra, reducer="micro", workers=2, steps=100000, 
             "--no-progress", "--timeout", "120", *extra]
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_and_wait(cmd, metrics: Path, lines: int = 2, timeout: float = 240.0, env=None) -> subprocess.Popen:
     """Start ``cmd`` and wait until ``metrics`` has ``lines`` records (the ranks are training)."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # the launcher starts with SIGINT at its default, as a program started in a terminal does: a
+    # test run started in the background by a non-interactive shell (``cmd &``) has SIGINT ignored,
+    # which every child inherits - and a program that starts with SIGINT ignored rightly keeps it so
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=_sigint_default)
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if p.poll() is not None:
