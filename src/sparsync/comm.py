@@ -40,6 +40,16 @@ import torch
 __all__ = ["Comm", "Ledger", "PhaseCost", "Handle", "CommError"]
 
 
+
+def gather_padded(t: torch.Tensor, counts: list[int], gather) -> list[torch.Tensor]:
+    """Every rank's ``t`` (``counts[r]`` elements on rank ``r``), in rank order, by one fixed-size
+    ``gather`` (tensor -> list in rank order) of ``t`` zero-padded to ``max(counts)``."""
+    m = max(counts)
+    if m == 0:
+        return [t.new_empty(0) for _ in counts]
+    padded = t if t.numel() == m else torch.cat([t, t.new_zeros(m - t.numel())])
+    return [x[:c] for x, c in zip(gather(padded), counts)]
+
 class CommError(RuntimeError):
     """A communication call was used wrongly (mismatched collectives, bad peer, bad sizes)."""
 
@@ -350,27 +360,27 @@ class Comm(ABC):
         self._charge_collective(cost)
         return out
 
-    def allgatherv(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def allgatherv(self, t: torch.Tensor, counts: list[int] | None = None) -> list[torch.Tensor]:
         """All ranks' tensors of possibly different lengths (counts first, then padded all-gather).
 
-        The ledger records the padded size, which is what actually travels.
+        ``counts``: every rank's length when the caller knows them already (the same list on every
+        rank): no count round. The ledger records the padded size, which is what actually travels.
         """
         t = _as_1d(t, "allgatherv")
-        with self.unrecorded():
-            counts = self._allgather(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
-        counts = [int(c[0]) for c in counts]
-        if self._recording:
-            P = self.world_size
-            self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))
+        if counts is None:
+            with self.unrecorded():
+                counts = self._allgather(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
+            counts = [int(c[0]) for c in counts]
+            if self._recording:
+                P = self.world_size
+                self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))
+        out = gather_padded(t, counts, self._allgather)
         m = max(counts)
-        if m == 0:
-            return [t.new_empty(0) for _ in counts]
-        padded = t if t.numel() == m else torch.cat([t, t.new_zeros(m - t.numel())])
-        out = self._allgather(padded)
-        cost = self._ring_cost(1, (self.world_size - 1) * m * t.element_size())
-        self._record(cost)
-        self._charge_collective(cost)
-        return [x[:c] for x, c in zip(out, counts)]
+        if m:
+            cost = self._ring_cost(1, (self.world_size - 1) * m * t.element_size())
+            self._record(cost)
+            self._charge_collective(cost)
+        return out
 
     def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
         """Dense all-reduce (``sum``, ``max`` or ``min``); input untouched unless it is ``out``.

@@ -231,12 +231,6 @@ def _start_reaper(store_dir: str) -> tuple[int, int] | None:
         os._exit(0)
 
 
-#: seconds the launcher waits for the reaper to see ``done`` and exit before it kills it (the reaper
-#: reads to end-of-file, which a rank still holding the pipe - e.g. stuck in uninterruptible sleep after
-#: SIGKILL - would delay; after ``done`` it has nothing left to do, so killing it loses nothing)
-_REAPER_EXIT_S = 5.0
-
-
 def _stop_reaper(reaper) -> None:
     if reaper is None:
         return
@@ -245,20 +239,8 @@ def _stop_reaper(reaper) -> None:
         os.write(w, b"done")
     with contextlib.suppress(OSError):
         os.close(w)
-    deadline = time.monotonic() + _REAPER_EXIT_S
-    while True:  # bounded: never block the launcher's exit on the reaper
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0]:
-                return
-        except ChildProcessError:
-            return
-        if time.monotonic() > deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, 0)
-            return
-        time.sleep(0.01)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
 
 
 class _Terminated(BaseException):

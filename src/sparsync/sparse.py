@@ -346,18 +346,14 @@ class IndexFlags:
 
     def isin(self, idx: torch.Tensor, members: torch.Tensor, numel: int) -> torch.Tensor:
         """Bool mask over ``idx``: True where the index is one of ``members``."""
-        return self.isin_many([idx], members, numel)[0]
-
-    def isin_many(self, idx_lists, members: torch.Tensor, numel: int) -> list[torch.Tensor]:
-        """:meth:`isin` for several index lists against the same ``members`` (flags set once)."""
         f = self._flags
         if f is None or f.numel() != numel or f.device != members.device:
             f = self._flags = torch.zeros(int(numel), dtype=torch.uint8, device=members.device)
         members = members.to(torch.int64)
         f.index_fill_(0, members, 1)
-        hits = [f.index_select(0, idx.to(torch.int64)).view(torch.bool) for idx in idx_lists]
+        hit = f.index_select(0, idx.to(torch.int64)).view(torch.bool)
         f.index_fill_(0, members, 0)
-        return hits
+        return hit
 
 
 # ---------------------------------------------------------------------- wire format

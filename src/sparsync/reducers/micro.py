@@ -111,6 +111,7 @@ import math
 
 import torch
 
+from ..comm import gather_padded
 from ..select.threshold import (
     ThresholdController,
     Workspace,
@@ -317,11 +318,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         with comm.phase(self.name + ".indices"):
             if known is None:
                 return comm.allgatherv(wire)
-            m = max(known)
-            if not m:
-                return [wire[:0] for _ in known]
-            padded = wire if wire.numel() == m else torch.cat([wire, wire.new_zeros(m - wire.numel())])
-            return [x[:c] for x, c in zip(self._allgather_fixed(padded), known)]
+            return gather_padded(wire, known, self._allgather_fixed)
 
     def _next_spread(self, j: int) -> None:
         """Histogram rule: square the window's spread (up to ``max_spread``) when the chosen edge ``j``

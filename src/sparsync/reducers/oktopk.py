@@ -213,16 +213,9 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
     def _allgather_kept(self, buf: torch.Tensor, counts: list[int] | None, pb: int) -> list[torch.Tensor]:
         """Every region's kept (index, value) pairs in rank order: with the ``counts`` known from the
         threshold step, one all-gather padded to the largest (no count round); else ``allgatherv``."""
-        comm = self.comm
-        if comm.world_size == 1:
+        if self.comm.world_size == 1:
             return [buf]
-        if counts is None:
-            return comm.allgatherv(buf)
-        m = max(counts) * pb
-        if m == 0:
-            return [buf[:0] for _ in counts]
-        padded = buf if buf.numel() == m else torch.cat([buf, buf.new_zeros(m - buf.numel())])
-        return [x[:c * pb] for x, c in zip(comm.allgather(padded), counts)]
+        return self.comm.allgatherv(buf, None if counts is None else [c * pb for c in counts])
 
     def _balance(self, idx, n, P):
         nb = P * _BINS_PER_RANK

@@ -232,7 +232,7 @@ class OverlapEngine:
                 k = self._next_submit
                 grads = [self.params[j].grad for j in self.groups[k]]  # captured now, copied on the thread
                 t = time.perf_counter()
-                self._worker.submit(lambda k=k, grads=grads, t=t, rec=self._rec: self._reduce(rec, k, grads, t))
+                self._worker.submit(lambda k=k, grads=grads, t=t, rec=self._rec: self._reduce(rec, k, t, grads))
                 self._next_submit += 1
 
     def _finish(self):
@@ -269,12 +269,9 @@ class OverlapEngine:
         ``.grad = None``, so ``optimizer.step()`` leaves the parameters alone); (4) the step's
         accounting and ``after_step`` (buffer broadcast: collectives on this thread, while the
         communication thread is idle); (5) queue this step's reduces and flag exchange."""
+        self._drain()
         prev, self._inflight = self._inflight, None
-        if prev is not None:
-            prev.done.wait()
         t_done = time.perf_counter()
-        if prev is not None:
-            prev.raise_error(self.comm.rank, self.groups)
         # this step's accounting: the reducers' work that ran during it (the previous step's) plus
         # this step's input stage on the training thread (after the wait window: in the totals only)
         stats = prev.stats if prev is not None else StepStats()
@@ -297,27 +294,21 @@ class OverlapEngine:
         # which must not interleave with the communication thread's
         self._complete(rec, stats, t_end, t_done, t_written, skipped, applied=None if prev is None else prev.step)
         for g, x in enumerate(inputs):
-            self._worker.submit(lambda g=g, x=x: self._reduce_input(rec, g, x, time.perf_counter()))
+            self._worker.submit(lambda g=g, x=x: self._reduce(rec, g, time.perf_counter(), x=x))
         self._worker.submit(lambda: self._final_exchange(rec))
         self._inflight = rec
 
     # ------------------------------------------------------------------ communication thread
-    def _reduce(self, rec, g, grads, t_submit):
+    def _reduce(self, rec, g, t_submit, grads=None, x=None):
+        """Reduce group ``g``: from its gradients ``grads``, or (``delay=1``) from the input ``x``
+        the training thread already took (``_finish_delayed``)."""
         if rec.error is not None:
             return
         span = GroupSpan(g, t_submit)
         try:
-            x = self._group_input(rec, g, grads, span)
+            if x is None:
+                x = self._group_input(rec, g, grads, span)
             self._run_reducer(rec, g, x, span)
-        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
-            rec.error = (g, e, traceback.format_exc())
-
-    def _reduce_input(self, rec, g, x, t_submit):
-        """``delay=1``: reduce a group whose input the training thread already took (``_finish_delayed``)."""
-        if rec.error is not None:
-            return
-        try:
-            self._run_reducer(rec, g, x, GroupSpan(g, t_submit))
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             rec.error = (g, e, traceback.format_exc())
 
@@ -451,11 +442,10 @@ class OverlapEngine:
     def flush(self) -> bool:
         """``delay=1``: wait for the step still in flight and write its average into ``.grad``
         (for a last ``optimizer.step()``). Returns False when nothing was pending."""
+        self._drain()
         rec, self._inflight = self._inflight, None
         if rec is None:
             return False
-        rec.done.wait()
-        rec.raise_error(self.comm.rank, self.groups)
         self._apply(rec)
         return True
 
