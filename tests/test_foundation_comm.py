@@ -156,3 +156,38 @@ def test_thread_timeout_instead_of_hang():
     with pytest.raises(TimeoutError, match="timed out"):
         ss.run_local(work, 2, timeout=1.0)
     assert time.monotonic() - t < 10
+
+
+def _pipelined_allreduce(comm, n):
+    """A copy-then-all-reduce long enough to be cut into pieces (TorchComm._allreduce_into)."""
+    g = torch.Generator().manual_seed(100 + comm.rank)
+    x = torch.randn(n, generator=g)
+    keep = x.clone()
+    out = torch.full((n,), float("nan"))
+    comm.ledger.reset()
+    got = comm.allreduce(x, out=out)
+    got = got.clone()  # at once: a piece still in flight would show here
+    fresh = comm.allreduce(x)  # out=None: a new tensor, the same path
+    mx = comm.allreduce(x, op="max", out=torch.empty(n))
+    return x, keep, got, out, fresh, mx, comm.ledger.snapshot()
+
+
+@pytest.mark.gloo
+def test_gloo_pipelined_copy_allreduce_is_exact_and_identical():
+    """Above COPY_PIPELINE_MIN elements the copy into ``out`` and the all-reduce run in pieces: the
+    input stays untouched, ``out`` is filled everywhere (it started as NaN), the sum matches the
+    float64 sum and every rank holds the same bits; ``max`` too; the ledger is one all-reduce."""
+    from sparsync.torchcomm import COPY_PIPELINE, COPY_PIPELINE_MIN
+
+    assert COPY_PIPELINE >= 2
+    P, n = 3, COPY_PIPELINE_MIN + 12345  # pieces of unequal length
+    res = ss.run_local(_pipelined_allreduce, P, n, backend="gloo")
+    ref = sum(res[r][1].double() for r in range(P))
+    ref_max = torch.stack([res[r][1] for r in range(P)]).amax(0)
+    for r, (x, keep, got, out, fresh, mx, led) in enumerate(res):
+        assert torch.equal(x, keep), "the input was modified"
+        assert torch.equal(got, out) and not torch.isnan(got).any()
+        assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got, res[0][2]) and torch.equal(fresh, got), f"rank {r} differs"
+        assert torch.equal(mx, ref_max)
+        assert led["bytes_received"] == 3 * (2 * (P - 1) * n * 4 // P) and led["rounds"] == 3 * 2 * (P - 1)

@@ -170,6 +170,12 @@ class Comm(ABC):
     def _allreduce_(self, t: torch.Tensor, op: str) -> None:
         """Reduce ``t`` over ranks in place (the same bits on every rank)."""
 
+    def _allreduce_into(self, t: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """Reduce ``t`` over ranks into ``out`` (same size, not aliasing ``t``); ``t`` untouched.
+        Here: copy, then :meth:`_allreduce_` in place; a backend may overlap the two."""
+        out.copy_(t)
+        self._allreduce_(out, op)
+
     @abstractmethod
     def _allgather_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
         """Every rank's ``t`` (equal sizes) into ``out`` (``P * t.numel()``), in rank order."""
@@ -392,14 +398,15 @@ class Comm(ABC):
         if op not in ("sum", "max", "min"):
             raise CommError(f"allreduce op must be sum, max or min, got {op!r}")
         t = _as_1d(t, "allreduce")
-        if out is None:
-            out = t.clone()
-        elif out is not t:
-            if out.shape != t.shape or out.dtype != t.dtype or not out.is_contiguous():
+        if out is t:
+            self._allreduce_(out, op)
+        else:
+            if out is None:
+                out = torch.empty_like(t, memory_format=torch.contiguous_format)
+            elif out.shape != t.shape or out.dtype != t.dtype or not out.is_contiguous():
                 raise CommError(f"allreduce out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)}, "
                                 f"got {out.dtype} {tuple(out.shape)}")
-            out.copy_(t)
-        self._allreduce_(out, op)
+            self._allreduce_into(t, out, op)
         P = self.world_size
         cost = self._ring_cost(2, 2 * (P - 1) * _nbytes(t) // P if P > 1 else 0)
         self._record(cost)

@@ -6,9 +6,11 @@ It costs what ``all_reduce`` costs: the gradient is copied once into a recycled 
 (:meth:`~sparsync.reducers.base.Reducer.output_buffer`: no fresh 40 MB allocation and its page
 faults per step, which is what made this reducer ~16% slower than a bare gloo ``all_reduce``) and
 reduced there in place; the caller's gradient is left untouched. That copy is the whole
-difference to a bare in-place ``all_reduce`` (a few % at n = 1e7 on the emulated 1 Gbit/s links,
-``docs/benchmarks.md``); option ``inplace=True`` removes it for a caller that donates its gradient
-buffer (like torch DDP's buckets): the gradient tensor itself is reduced and returned.
+difference to a bare in-place ``all_reduce`` (~4 % at n = 1e7 on the emulated 1 Gbit/s links);
+on a real process group it runs in pieces, each piece's all-reduce posted as soon as it is copied
+(``TorchComm._allreduce_into``), so it hides behind the wire (``docs/benchmarks.md``, issue 11).
+Option ``inplace=True`` removes the copy for a caller that donates its gradient buffer (like torch
+DDP's buckets): the gradient tensor itself is reduced and returned.
 """
 
 from __future__ import annotations
