@@ -1,11 +1,12 @@
-"""``sparsync bench allreduce|reducers``: side-by-side timing tables (median of max over ranks).
+"""``sparsync bench allreduce|reducers|revision``: side-by-side timing tables (median of max over ranks).
 
 ``allreduce`` compares the dense all-reduce with lossless sparse all-reduce algorithms
 (:mod:`sparsync.bench.allreduce`); ``reducers`` compares lossy reducers end to end
 (:mod:`sparsync.bench.reducers`). Both run on loopback or on the emulated cluster
 (``--bandwidth 1gbit``; several networks as a comma list), print a table with the speedup over
 dense and write every row to ``--csv``. ``--algorithms all`` / ``--reducers all`` pick up every
-registered method at run time.
+registered method at run time. ``revision`` times the reducers of an earlier git revision beside the
+current ones (:mod:`sparsync.bench.revision`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,38 @@ def _reducers(args) -> int:
     return 0
 
 
+def _revision(args) -> int:
+    from ..bench.report import fmt_ms, fmt_num, format_table, write_csv
+    from ..bench.revision import run_revision_ab
+    from ..cluster import ClusterUnavailable
+
+    if len(args.workers) != 1 or len(args.bandwidth) != 1:
+        raise UsageError("bench revision runs one rank count on one network (e.g. --workers 4 --bandwidth 1gbit)")
+    t0 = time.perf_counter()
+    try:
+        rows = run_revision_ab(args.rev, args.reducers, args.workers[0], args.numel, args.density, steps=args.steps,
+                               warmup=args.warmup, network=args.bandwidth[0], pattern=args.pattern, seed=args.seed,
+                               timeout=args.timeout, fallback_loopback=args.fallback_loopback)
+    except (ValueError, RuntimeError) as e:
+        raise UsageError(str(e)) from None
+    except ClusterUnavailable as e:
+        print(f"sparsync bench revision: {e}", file=sys.stderr)
+        return 2
+    shown = [dict(r, numel=fmt_num(r["numel"]), old=fmt_ms(r["old_s"]), new=fmt_ms(r["new_s"]),
+                  ratio=f"{r['ratio']:.3f}", same="yes" if r["same_result"] else "no") for r in rows]
+    cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("reducer", "reducer"),
+            ("old", f"{args.rev} ms"), ("new", "current ms"), ("ratio", "current / old"), ("same", "same result")]
+    print(format_table(shown, cols, markdown=args.markdown))
+    print(f"(gradients {args.pattern}; density {args.density:g}; both versions alternated call by call, residual "
+          f"reset before each call; median over {args.steps} steps of the max over ranks; total "
+          f"{time.perf_counter() - t0:.0f} s)")
+    if args.csv:
+        write_csv(args.csv, rows, ["network", "world_size", "numel", "density", "pattern", "reducer", "revision",
+                                   "old_s", "new_s", "ratio", "same_result"])
+        print(f"wrote {args.csv}")
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: sparse all-reduce algorithms, reducers",
                               description=__doc__)
@@ -181,4 +214,18 @@ def register(subparsers) -> None:
                         "the method requires), 'default' (its own 1/(2 sqrt k), blind to the gradients' "
                         "scale) or a number")
     r.set_defaults(func=_reducers)
+
+    v = sub.add_parser("revision", help="reducers of an earlier git revision vs the current code, same run",
+                       description="Both versions of each reducer in one process group, alternated call by "
+                                   "call (sparsync.bench.revision): the ratio current/old of one run, to carry "
+                                   "figures measured with that revision on another machine over to this code.")
+    _common(v)
+    v.add_argument("--rev", required=True, help="git revision to compare with (e.g. a commit hash)")
+    v.add_argument("--reducers", default="micro", help="comma list of reducers present in both revisions")
+    v.add_argument("--numel", type=COUNT, default="1e7", help="gradient length")
+    v.add_argument("--density", type=DENSITY, default=0.01)
+    v.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
+    v.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
+    v.add_argument("--pattern", default="heavy_tail", help="gradients: 'heavy_tail' (default) or 'normal'")
+    v.set_defaults(func=_revision)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
