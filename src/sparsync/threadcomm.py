@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 
 from .comm import Comm, CommError, Handle, PhaseCost
+from .sparse import add_at
 
 __all__ = ["MAX_THREAD_RANKS", "ThreadWorld", "ThreadComm", "RankAborted", "check_thread_world_size"]
 
@@ -238,7 +239,7 @@ class ThreadComm(Comm):
         vals = torch.cat(self._collective("sparse_allreduce:values", values.clone(), lambda v: v))
         uniq, inverse = torch.unique(idx, sorted=True, return_inverse=True)
         out = torch.zeros(uniq.numel(), dtype=vals.dtype, device=vals.device)
-        return uniq, out.index_add_(0, inverse, vals)
+        return uniq, add_at(out, inverse, vals)
 
     def _barrier(self) -> None:
         self._collective("barrier", None, lambda v: None)

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sparse import SparseVec, add, sparse_is_smaller
+from ..sparse import SparseVec, add, add_at, sparse_is_smaller
 
 __all__ = ["PushRecord", "ShardState", "StalenessViolation", "apply_update", "check_staleness"]
 
@@ -46,7 +46,7 @@ def apply_update(w: torch.Tensor, total, scale: float) -> None:
     (a fused ``add_(alpha=...)`` may round once or twice depending on the vector lane). The SGD step
     of :func:`sparsync.linear.sgd.train` and of the parameter-server shard."""
     if isinstance(total, SparseVec):
-        w.index_add_(0, total.indices, total.values * (-scale))
+        add_at(w, total.indices, total.values * (-scale))
     else:
         w.add_(total * (-scale))
 

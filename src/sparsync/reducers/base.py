@@ -52,6 +52,7 @@ import torch
 
 from ..recycle import recycled
 from ..select.topk import check_density
+from ..sparse import set_at
 
 __all__ = ["Reducer", "IndexedSum", "NONFINITE_POLICIES", "VALUE_DTYPES"]
 
@@ -275,7 +276,7 @@ class Reducer:
             dense = self.zeros_output(out.numel, out.values.dtype, out.values.device)
         else:
             dense = torch.zeros(out.numel, dtype=out.values.dtype, device=out.values.device)
-        return dense.index_copy_(0, out.indices, out.values)
+        return set_at(dense, out.indices, out.values)
 
     def zeros_output(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
         """A zero-filled 1-D tensor for this step's dense result (see the module docstring).

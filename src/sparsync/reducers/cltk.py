@@ -29,7 +29,7 @@ import math
 import torch
 
 from ..select.topk import topk_abs
-from ..sparse import index_dtype_for
+from ..sparse import index_dtype_for, set_at
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -67,7 +67,7 @@ class CLTKReducer(BufferedAccumulator, Reducer):
         with self.timed("update"):
             self.keep_unsent(acc, idx, sent)
             out = self.zeros_output(self.numel, acc.dtype, acc.device)  # recycled: no page faults
-            out.index_copy_(0, idx, vals)
+            set_at(out, idx, vals)
         self.stats.update(selected=k, leader=leader)
         return out
 

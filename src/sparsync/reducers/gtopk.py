@@ -29,7 +29,7 @@ import torch
 from ..spardl.blocksel import topk_det
 from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
-from ..sparse import IndexFlags
+from ..sparse import IndexFlags, add_at
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -90,14 +90,14 @@ class GTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             fi, fv = unpack(buf, 1, k, grad.dtype)
             out = self.zeros_output(self.numel, grad.dtype, grad.device)  # recycled: no page faults
-            out.index_add_(0, fi[0], fv[0])
+            add_at(out, fi[0], fv[0])
             if self.residuals == "partial":
                 # own selected values that did not make it into the global set go back
                 back = ~self._global_set.isin(own_idx, fi[0], self.numel)
                 acc[own_idx[back]] += own_vals[back]
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)
-                    acc.index_add_(0, di, dv)
+                    add_at(acc, di, dv)
             self.residual = acc
         return out
 

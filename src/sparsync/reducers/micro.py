@@ -127,7 +127,7 @@ from ..select.threshold import (
     partitioned_threshold_select,
     threshold_indices,
 )
-from ..sparse import index_dtype_for
+from ..sparse import index_dtype_for, set_at
 from .base import IndexedSum, Reducer
 from .registry import register
 
@@ -384,7 +384,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
                 if sent.dtype == acc.dtype:
                     acc.index_fill_(0, union, 0)
                 else:  # half values sent: the rounding error stays
-                    acc.index_copy_(0, union, mine - sent.to(acc.dtype))
+                    set_at(acc, union, mine - sent.to(acc.dtype))
             else:
                 vals = acc.new_zeros(0)
             out = IndexedSum(union, vals, self.numel)

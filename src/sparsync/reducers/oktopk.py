@@ -52,7 +52,7 @@ from __future__ import annotations
 import torch
 
 from ..spardl.wire import pack, pair_bytes, unpack
-from ..sparse import coalesce_in_order
+from ..sparse import coalesce_in_order, set_at
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -132,7 +132,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
             self.stats["global_selected"] = sum(x.numel() for x in bufs) // pb
             for x in bufs:
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
-                out.index_copy_(0, fi[0], fv[0])
+                set_at(out, fi[0], fv[0])
             self.keep_unsent(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
         return out
 

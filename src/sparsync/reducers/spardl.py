@@ -54,7 +54,7 @@ from ..spardl.residuals import RESIDUAL_MODES, WorkBuffer
 from ..spardl.srs import spar_reduce_scatter
 from ..spardl.teams import b_sag, r_sag
 from ..spardl.wire import pack, unpack
-from ..sparse import IndexFlags
+from ..sparse import IndexFlags, add_at
 from .base import Reducer
 from .registry import register
 
@@ -197,7 +197,7 @@ class SparDLReducer(Reducer):
             fpos = (torch.cat([p[0] for p in parts]) + blocks).view(-1)
             fval = torch.cat([p[1] for p in parts]).view(-1)
             out = self.zeros_output(q * bs, grad.dtype, grad.device)  # recycled: no page faults
-            out.index_add_(0, fpos, fval)
+            add_at(out, fpos, fval)
             res = work.finish(self.residuals, fpos, self._final_set)
             self.residual = res[:n]
         self.stats["selected"] = q * kb

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from ..sparse import set_at
+
 __all__ = ["GradBuffers"]
 
 
@@ -100,7 +102,7 @@ class GradBuffers:
         new ones - ``torch.div(values, P)``, the same bits as the dense path's ``torch.div(out, P)``."""
         if not self.as_view:
             dense = torch.zeros(out.numel, dtype=out.values.dtype, device=out.values.device)
-            return self.write_average(g, dense.index_copy_(0, out.indices, out.values), P)
+            return self.write_average(g, set_at(dense, out.indices, out.values), P)
         flat = self._buffer(g)
         prev = self.sparse_state[g]
         if prev is not None and prev[0] == flat._version:
@@ -108,7 +110,7 @@ class GradBuffers:
         else:
             flat.zero_()
         vals = torch.div(out.values, P) if P > 1 else out.values
-        flat.index_copy_(0, out.indices, vals.to(flat.dtype))
+        set_at(flat, out.indices, vals.to(flat.dtype))
         self.sparse_state[g] = (flat._version, out.indices)
         self._attach(g)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sparse import IndexFlags
+from ..sparse import IndexFlags, add_at
 
 __all__ = ["RESIDUAL_MODES", "WorkBuffer"]
 
@@ -53,7 +53,7 @@ class WorkBuffer:
         if pos.numel() == 0:
             return
         self._saved.append((pos, self.flat[pos]))
-        self.flat.index_add_(0, pos, vals.to(self.flat.dtype))
+        add_at(self.flat, pos, vals.to(self.flat.dtype))
 
     def finish(self, mode: str, final_pos: torch.Tensor, members: IndexFlags | None = None) -> torch.Tensor:
         """The new residual (padded length) for ``mode``; ``final_pos`` = flat positions of ``I``.
