@@ -29,7 +29,7 @@ import torch
 
 from ..recycle import recycled
 from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
-                      sum_streams)
+                      set_at, sum_streams)
 
 __all__ = [
     "CostSim",
@@ -403,7 +403,7 @@ def ring_allgather_dense(comm, f: Fold, mine, bounds: list[int], pos_of_vrank, d
     buf = recycled(pool, m, dtype, device, zero=True, keep=4)
     if f.active:
         if isinstance(mine, SparseVec):
-            buf[mine.indices] = mine.values
+            set_at(buf, mine.indices, mine.values)
         else:
             buf[: mine.numel()] = mine
     out = recycled(pool, comm.world_size * m, dtype, device, keep=4)  # fully written by the all-gather

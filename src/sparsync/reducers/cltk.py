@@ -63,7 +63,7 @@ class CLTKReducer(BufferedAccumulator, Reducer):
             with comm.phase(self.name + ".indices"):
                 idx = comm.broadcast(wire, leader).to(torch.int64)
             with comm.phase(self.name + ".values"):
-                sent, vals = self.allreduce_wire_values(acc[idx])
+                sent, vals = self.allreduce_wire_values(acc.index_select(0, idx))
         with self.timed("update"):
             self.keep_unsent(acc, idx, sent)
             out = self.zeros_output(self.numel, acc.dtype, acc.device)  # recycled: no page faults

@@ -61,9 +61,9 @@ class GTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals = acc[idx]
+            vals = acc.index_select(0, idx)
             own_idx, own_vals = idx, vals
-            acc[idx] = 0  # acc is now the local residual
+            acc.index_fill_(0, idx, 0)  # acc is now the local residual
         self.stats["selected"] = k
         drops = []
         with comm.phase("gtopk:reduce"):

@@ -29,7 +29,7 @@ import torch
 
 from ..select.exact import topk_indices
 from ..spardl.bruck import bruck_rounds
-from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for, sum_streams
+from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for, set_at, sum_streams
 from .base import Reducer
 from .micro import BufferedAccumulator
 from .registry import register
@@ -63,7 +63,7 @@ class TopkDSAReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = select_topk(acc, self.k, self._scratch)
-            vals = acc[idx]
+            vals = acc.index_select(0, idx)
             self.keep_unsent(acc, idx)
             ps = -(-n // P)
             bounds = [min(n, j * ps) for j in range(P + 1)]
@@ -89,7 +89,7 @@ class TopkDSAReducer(BufferedAccumulator, Reducer):
                 seg = out[bounds[j]:bounds[j + 1]]
                 if isinstance(pj, SparseVec):
                     seg.zero_()
-                    seg[pj.indices] = pj.values
+                    set_at(seg, pj.indices, pj.values)
                 else:
                     seg.copy_(pj)
         return out

@@ -90,4 +90,4 @@ def block_topk(x: torch.Tensor, nblocks_kept: int, block_size: int):
     else:
         ids = topk_indices(norms, K)
     idx = block_elements(ids, bs, x.numel())
-    return ids, idx, x[idx]
+    return ids, idx, x.index_select(0, idx)

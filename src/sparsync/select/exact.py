@@ -110,7 +110,7 @@ def topk_indices(x: torch.Tensor, k: int, scratch: dict | None = None) -> torch.
 def topk_select(x: torch.Tensor, k: int, scratch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, x[indices])`` of :func:`topk_indices`."""
     idx = topk_indices(x, k, scratch)
-    return idx, x[idx]
+    return idx, x.index_select(0, idx)
 
 
 def topk_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Tensor:

@@ -142,7 +142,7 @@ def threshold_indices(x: torch.Tensor, delta: float, *, chunk: int = CHUNK,
 def threshold_select(x: torch.Tensor, delta: float, **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indices, x[indices])`` for ``|x| >= delta`` (indices sorted ascending)."""
     idx = threshold_indices(x, delta, **kw)
-    return idx, x[idx]
+    return idx, x.index_select(0, idx)
 
 
 # ---------------------------------------------------------------------- MiCRO partitions
@@ -189,7 +189,7 @@ def partitioned_threshold_select(acc: torch.Tensor, delta: float, start: int, en
     idx = threshold_indices(acc[start:end], delta, workspace=workspace, offset=start)
     passed = idx.numel()
     if cap is not None and passed > cap:
-        idx = keep_largest(idx, acc[idx].abs(), cap)
+        idx = keep_largest(idx, acc.index_select(0, idx).abs_(), cap)
     return idx, passed
 
 
