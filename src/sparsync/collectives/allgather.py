@@ -15,7 +15,7 @@ Summation is in rank order, so every rank computes bitwise the same result:
 :func:`~sparsync.sparse.sum_streams` concatenates the ``P`` sparse streams and sorts once (``O(Pk log
 Pk)``, no pass over the ``n`` entries: the result stays a sparse vector while it is smaller), or, with
 ``dense=True`` (the ``topka`` reducer, which needs the dense sum anyway) and whenever a stream is
-dense, scatter-adds into a dense buffer, one ``index_add_`` per rank (indices within one rank are
+dense, scatter-adds into a dense buffer, one :func:`~sparsync.sparse.add_at` per rank (indices within one rank are
 unique). Both give ``0 + v_0 + v_1 + ...`` per index. Values that travel in half precision
 (fp16/bf16, a reducer's ``value_dtype``) are summed in fp32, so no mass is lost in the sum.
 """

@@ -12,8 +12,8 @@ B-SAG: keep the top-``h`` of the held block (``h`` from Algorithm 2, :mod:`.cont
 rest in ``R`` in full, Bruck all-gather the ``h``-pair lists inside the group, sum them in canonical
 team order, keep the top-``L`` and store ``1/d`` of the discard on every member.
 
-Sums use a stable sort + ``index_add_`` over the concatenation in team order
-(:func:`sparsync.sparse.coalesce_in_order`): on CPU ``index_add_`` accumulates sequentially in input
+Sums use a stable sort + a scatter-add over the concatenation in team order
+(:func:`sparsync.sparse.coalesce_in_order`): on CPU the scatter-add accumulates sequentially in input
 order, so every member computes bitwise the same sum (on CUDA only two-operand sums are order-free;
 B-SAG with ``d >= 3`` on GPU would need a sorted segment sum).
 """
