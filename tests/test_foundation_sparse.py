@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 import sparsync as ss
 from sparsync import sparse as sp
+from sparsync.sparse import add_at, set_at
 
 
 @st.composite
@@ -107,3 +108,30 @@ def test_decode_rejects_truncated_buffers():
     buf = sp.encode(ss.SparseVec(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]), 100))
     with pytest.raises(ValueError, match="bytes"):
         sp.decode(buf[:-1], 100)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_at_and_set_at_equal_index_add_and_index_copy_bitwise(threads):
+    """``add_at`` (scatter_add_) accumulates repeated indices in input order exactly as ``index_add_``
+    does - the sums of SparDL's teams, gTopk and every rank-order sum depend on it - on heavy-tailed
+    values where any other order changes the bits; ``set_at`` writes like ``index_copy_`` and casts."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(7)
+        for n, k in ((10, 5000), (100_000, 300_000), (1_000_000, 20_000)):
+            idx = torch.randint(0, n, (k,), generator=g)
+            vals = torch.randn(k, generator=g) * torch.exp(4 * torch.randn(k, generator=g))
+            base = torch.randn(n, generator=g)
+            want = base.clone().index_add_(0, idx, vals)
+            assert torch.equal(add_at(base.clone(), idx, vals), want)
+            assert torch.equal(add_at(base.clone(), idx.to(torch.int32), vals), want)
+            # order matters on these values: a reversed order gives other bits somewhere
+            assert not torch.equal(base.clone().index_add_(0, idx.flip(0), vals.flip(0)), want)
+            uniq = torch.randperm(n, generator=g)[: min(n, k)]
+            v = torch.randn(uniq.numel(), generator=g)
+            assert torch.equal(set_at(base.clone(), uniq, v), base.clone().index_copy_(0, uniq, v))
+        half = set_at(torch.zeros(4), torch.tensor([2, 0]), torch.tensor([1.5, -2.0], dtype=torch.float16))
+        assert half.dtype == torch.float32 and half.tolist() == [-2.0, 0.0, 1.5, 0.0]
+    finally:
+        torch.set_num_threads(old)
