@@ -76,7 +76,9 @@ class TorchComm(Comm):
         which gloo adds the ``P`` contributions can depend on where an element lies in the buffer).
         Measured in docs/benchmarks.md (dense reducer vs a bare all-reduce): the unpiped copy cost
         ~4 % of a 1e7-element all-reduce on the emulated 1 Gbit/s cluster. CPU tensors of at least
-        ``COPY_PIPELINE_MIN`` elements only (on CUDA the copy is a fraction of a millisecond)."""
+        ``COPY_PIPELINE_MIN`` elements only (on CUDA the copy is a fraction of a millisecond). The
+        ledger records one all-reduce (:meth:`Comm.allreduce`): the same bytes; the pieces' rounds
+        overlap, so they are not counted again."""
         n = t.numel()
         if t.device.type != "cpu" or n < COPY_PIPELINE_MIN:
             return super()._allreduce_into(t, out, op)

@@ -32,6 +32,8 @@ from pathlib import Path
 
 #: the name the old revision's package is imported under (next to ``sparsync`` itself)
 OLD_PACKAGE = "sparsync_rev"
+
+
 def _renamed(node, where: str) -> str:
     """The statement ``node`` (an import) with ``sparsync`` replaced by :data:`OLD_PACKAGE`."""
     import ast
