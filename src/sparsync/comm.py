@@ -40,7 +40,6 @@ import torch
 __all__ = ["Comm", "Ledger", "PhaseCost", "Handle", "CommError"]
 
 
-
 def gather_padded(t: torch.Tensor, counts: list[int], gather) -> list[torch.Tensor]:
     """Every rank's ``t`` (``counts[r]`` elements on rank ``r``), in rank order, by one fixed-size
     ``gather`` (tensor -> list in rank order) of ``t`` zero-padded to ``max(counts)``."""
@@ -49,6 +48,7 @@ def gather_padded(t: torch.Tensor, counts: list[int], gather) -> list[torch.Tens
         return [t.new_empty(0) for _ in counts]
     padded = t if t.numel() == m else torch.cat([t, t.new_zeros(m - t.numel())])
     return [x[:c] for x, c in zip(gather(padded), counts)]
+
 
 class CommError(RuntimeError):
     """A communication call was used wrongly (mismatched collectives, bad peer, bad sizes)."""

@@ -94,7 +94,7 @@ class GTopkReducer(BufferedAccumulator, Reducer):
             if self.residuals == "partial":
                 # own selected values that did not make it into the global set go back
                 back = ~self._global_set.isin(own_idx, fi[0], self.numel)
-                acc[own_idx[back]] += own_vals[back]
+                add_at(acc, own_idx[back], own_vals[back])
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)
                     add_at(acc, di, dv)

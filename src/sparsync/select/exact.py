@@ -266,7 +266,7 @@ def _candidates_shrink(X: torch.Tensor, below: list, wf: torch.Tensor):
     ``docs/benchmarks.md``, "SparDL's local work").
     """
     m, bs = X.shape
-    per = 8 // X.element_size()  # elements per 64-bit word
+    per = _WORD // X.element_size()  # elements per 64-bit word
     wvals, wpos = [], []
     for start, _rows, r0, c0, c1 in _tiles(m, bs, CHUNK):
         L = c1 - c0
