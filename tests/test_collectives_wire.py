@@ -233,5 +233,6 @@ def test_micro_owner_sum_keeps_half_values_conserving(value_dtype, wdt, P):
             assert torch.equal(res[r][s][2], ref), (r, s)
             st = res[r][s][3]
             counts = [res[q][s][3]["local_selected"] for q in range(P)]
-            pred = MicroReducer.predicted_cost(P, n, round(0.01 * n), counts=counts, value_bytes=2, rank=r)
+            pred = MicroReducer.predicted_cost(P, n, round(0.01 * n), counts=counts, value_bytes=2, rank=r,
+                                               data_window=s < 2)
             assert st["bytes_received"] == pred["bytes_received"]

@@ -60,3 +60,46 @@ def test_adaptive_rule_tracks_windowed_density():
     w = [statistics.fmean(d[i - 10:i]) for i in range(10, len(d) + 1)]
     assert statistics.fmean(d[50:]) == pytest.approx(TARGET, rel=0.15)
     assert all(abs(x / TARGET - 1) <= 0.35 for x in w[60:]), w[60:]
+
+
+def test_windows_start_on_the_data_and_lead_the_threshold():
+    """``start="data"`` + ``lead``: the density is on target from the first step, and the first steps'
+    calibration reads far fewer entries than the data-blind widest window (``start="guess"``, no lead)."""
+    specs = [("new", "micro", {}), ("old", "micro", {"lead": 0, "start": "guess"})]
+    for stream, kw in (("mlp", {"steps": 30}), ("drift", {"numel": 40_000, "decades": 1.0, "noise": 2.0, "steps": 30})):
+        res = ss.run_local(lambda c: density_trace(c, reducers=specs, density=TARGET, stream=stream, **kw), 4)
+        new, old = res[0]["new"], res[0]["old"]
+        assert _first_stay(new["density"]) == 0, (stream, new["density"][:5])
+        assert _first_stay(old["density"]) != 0, (stream, old["density"][:5])  # the blind start misses
+        assert all(r["new"]["density"] == new["density"] for r in res)  # one window on every rank
+        if stream == "drift":
+            assert sum(new["candidates"][:10]) < 0.25 * sum(old["candidates"][:10])
+
+
+def test_window_options_are_checked():
+    comm = ss.threadcomm.ThreadWorld(1).comms()[0]
+    for bad in ({"start": "median"}, {"lead": -0.1}, {"lead": 1.5}, {"lead": "x"}):
+        with pytest.raises(ValueError, match="start|lead"):
+            ss.make_reducer("micro", comm, **bad)
+
+
+def test_all_zero_partitions_fall_back_to_the_wide_window():
+    """Ranks whose partition is all zero have no estimate; the others still set the window, and a
+    gradient that is all zero everywhere selects nothing (no crash, no NaN threshold)."""
+    import torch
+
+    def fn(comm):
+        r = ss.make_reducer("micro", comm, density=0.02)
+        out = []
+        for t in range(3):
+            g = torch.zeros(4000)
+            if t > 0:
+                g[:1000] = torch.randn(1000, generator=torch.Generator().manual_seed(comm.rank + 10 * t))
+            r.reduce(g)
+            out.append((r.stats["selected"], r.stats["threshold"]))
+        return out
+
+    for per_rank in ss.run_local(fn, 4):
+        assert per_rank[0][0] == 0
+        assert all(th > 0 and th == th for _, th in per_rank)
+        assert per_rank[1][0] > 0 and per_rank[2][0] > 0

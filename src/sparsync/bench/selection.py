@@ -226,7 +226,8 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
     ``reducers``: names, or ``(label, name, options)`` tuples for several variants of one reducer;
     ``options`` maps reducer name -> extra options (for plain names); the option
     ``threshold="first_kth"`` starts a threshold reducer from :func:`first_kth_threshold`. Returns
-    ``{name: {"density": [...], "threshold": [...], "selected": [...]}}`` plus ``"numel"``. With
+    ``{name: {"density": [...], "threshold": [...], "selected": [...], "candidates": [...]}}`` plus
+    ``"numel"`` (``candidates``: entries the calibration read, micro's histogram rule; else None). With
     ``scale_by_lr`` the reducers get ``lr * grad`` (the paper's accumulator ``e + eta G``, ``spec/micro.md`` §4).
     """
     from ..reducers import make_reducer
@@ -237,7 +238,7 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
     options = options or {}
     specs = [(item, item, options.get(item, {})) if isinstance(item, str) else item for item in reducers]
     rs = {}
-    trace = {label: {"density": [], "threshold": [], "selected": []} for label, _, _ in specs}
+    trace = {label: {"density": [], "threshold": [], "selected": [], "candidates": []} for label, _, _ in specs}
     numel = None
     for _t, lr, g in streams[stream](comm, steps, **stream_kw):
         numel = g.numel()
@@ -252,6 +253,7 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
             trace[name]["density"].append(red.stats["density"])
             trace[name]["selected"].append(red.stats["selected"])
             trace[name]["threshold"].append(red.stats.get("threshold"))
+            trace[name]["candidates"].append(red.stats.get("candidates"))
     trace["numel"] = numel
     return trace
 
