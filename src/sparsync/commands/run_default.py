@@ -65,10 +65,10 @@ def run(a) -> int:
         print(msg, flush=True)
         notes.append(msg)
     else:
-        print("running on the emulated cluster: 4 ranks, one network namespace each, 1 Gbit/s per host link",
-              flush=True)
-        notes.append("emulated cluster: 4 ranks in network namespaces, tc tbf 1 Gbit/s on every host link; "
-                     "the ranks share this machine's 2 CPU cores")
+        print(f"running on the emulated cluster: {a.workers} ranks, one network namespace each, 1 Gbit/s per "
+              "host link", flush=True)
+        notes.append(f"emulated cluster: {a.workers} ranks in network namespaces, tc tbf 1 Gbit/s on every host "
+                     "link; the ranks share this machine's 2 CPU cores")
     sparse = a.sparse if a.sparse is not None else ";".join(DEFAULT_SPARSE)
     configs = ";".join(["nocomm", "dense", *TORCH_ROWS, sparse])
     steps = a.steps if a.steps is not None else (100 if a.workload == "digits-mlp" else None)

@@ -157,7 +157,6 @@ def _make_optimizer(cfg: TrainConfig, model: nn.Module):
     params = list(model.parameters())
     if cfg.optimizer == "sgd" or cfg.convergence.get("momentum"):  # momentum correction: SGD's momentum
         return torch.optim.SGD(params, lr=cfg.lr)                  # moved into the GradientPolicy
-        return torch.optim.SGD(params, lr=cfg.lr)
     if cfg.optimizer == "momentum":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     return torch.optim.Adam(params, lr=cfg.lr)
