@@ -67,7 +67,8 @@ def test_windows_start_on_the_data_and_lead_the_threshold():
     calibration reads far fewer entries than the data-blind widest window (``start="guess"``, no lead)."""
     specs = [("new", "micro", {}), ("old", "micro", {"lead": 0, "start": "guess"})]
     for stream, kw in (("mlp", {"steps": 30}), ("drift", {"numel": 40_000, "decades": 1.0, "noise": 2.0, "steps": 30})):
-        res = ss.run_local(lambda c: density_trace(c, reducers=specs, density=TARGET, stream=stream, **kw), 4)
+        res = ss.run_local(lambda c, stream=stream, kw=kw: density_trace(c, reducers=specs, density=TARGET,
+                                                                         stream=stream, **kw), 4)
         new, old = res[0]["new"], res[0]["old"]
         assert _first_stay(new["density"]) == 0, (stream, new["density"][:5])
         assert _first_stay(old["density"]) != 0, (stream, old["density"][:5])  # the blind start misses

@@ -72,8 +72,9 @@ Other options (``make_reducer("micro", comm, density, ...)``):
 * ``spread``, ``max_spread``, ``bins``, ``lead`` (0..1, default 0.7: how far the window's centre
   follows the last step's threshold ratio; 0 = centred on the last threshold), ``start``
   (``"data"``, default: the first two windows are centred on a sampled estimate, one 8-byte
-  all-gather each; ``"guess"``: the widest window around ``delta_0``) - histogram rule; ``gamma``, ``max_step``, ``band``,
-  ``min_step``, ``grow``, ``shrink`` (feedback rules, see ``ThresholdController``).
+  all-gather each; ``"guess"``: the widest window around ``delta_0``) - histogram rule;
+  ``gamma``, ``max_step``, ``band``, ``min_step``, ``grow``, ``shrink`` (feedback rules, see
+  ``ThresholdController``).
 * ``cap_factor`` - per-partition budget: a rank sends at most ``ceil(cap_factor * k / P)`` indices
   (default 4; the largest-magnitude ones among those that passed, the rest stay in the residual).
   It bounds the message when the threshold is far too low (e.g. the first steps). ``None``: no cap.
