@@ -262,11 +262,12 @@ class MicroReducer(BufferedAccumulator, Reducer):
             k = self.k
             d0 = self.threshold0 if self.threshold0 is not None else initial_threshold(k)
             self.controller = ThresholdController(k, d0, **self._controller_options())
-            if self.threshold0 is None:  # delta_0 is a data-blind guess: centre the first window on the data
-                if self.start == "data":  # until two thresholds give the trend (see _window_from_data)
-                    self.data_windows_left = 2
-                self.spread_now = self.max_spread  # ("guess": the widest window, measured: else 2-4x
-                #                                    the target for 3 steps)
+            if self.threshold0 is None:  # delta_0 is a data-blind guess
+                if self.start == "data":  # windows centred on the data until two thresholds give a
+                    self.data_windows_left = 2  # trend (_local_estimate, _window_from_estimates)
+                # "guess" (and the fallback of "data"): the widest window first (measured: with the
+                # narrow one, 2-4x the target for 3 steps)
+                self.spread_now = self.max_spread
 
     def _controller_options(self) -> dict:
         """The histogram rule keeps its window centre in a controller (unused rule "adaptive")."""
