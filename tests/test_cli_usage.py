@@ -89,6 +89,10 @@ TRAIN_ERRORS = [  # argv (after train/compare), words the one line must contain
     (["compare", "--configs", "micro:x"], "not a number"),
     (["compare", "--bandwidth", "100Mbps"], "ambiguous"),
     (["compare", "--nnodes", "2"], "torchrun flag"),
+    # option values and world-size requirements, checked by building the reducer once before the start
+    (["compare", "--configs", "micro:0.01,lead=2"], "configuration 'micro': micro: lead must be a number in [0, 1]"),
+    (["train", "--reducer", "micro", "--option", "spread=0.5"], "spread must be > 1"),
+    (["train", "--reducer", "gtopk", "--workers", "3"], "power-of-two world size"),
 ]
 
 
@@ -338,3 +342,16 @@ def test_metrics_tail_follows_appended_lines(tmp_path):
     assert ("loss", 0, 2.0) in tags and ("loss", 1, 1.5) in tags and ("accuracy", 1, 0.5) in tags
     assert ("comm_ms", 0, pytest.approx(20.0)) in tags and ("loss_vs_time", 100, 2.0) in tags
     assert {d for d, *_ in written} == {"micro_0.01_single"}
+
+
+def test_compare_all_failed_is_one_line(tmp_path, capsys, monkeypatch):
+    """Every configuration failing at run time (each already reported) ends in one line, exit 1."""
+    from sparsync.commands import compare as cmp
+
+    def fail(args, **_):
+        raise cmp.AllConfigurationsFailed("every configuration failed (1; the messages above say why)")
+
+    monkeypatch.setattr(cmp, "compare", fail)
+    code, err = _one_line_error(capsys, ["compare", "--thread", "--no-baselines", "--configs", "micro:0.01",
+                                         "--runs-dir", str(tmp_path / "runs"), "--no-progress"])
+    assert code == 1 and len(err) == 1 and "every configuration failed" in err[0] and "Traceback" not in err[0]

@@ -98,7 +98,14 @@ def run(args) -> int:
     except (ValueError, CheckpointError, RunExists, NetworkUnavailable) as e:
         print(f"sparsync compare: error: {e}", file=sys.stderr)
         return 2
+    except AllConfigurationsFailed as e:
+        print(f"sparsync compare: error: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+class AllConfigurationsFailed(RuntimeError):
+    """No configuration of a comparison finished (each failure was printed as it happened)."""
 
 
 def plan(args) -> tuple[Path, list]:
@@ -165,7 +172,7 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
                 (notes := notes if notes is not None else []).append(
                     f"configuration `{cfg.label()}` failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     if not done:
-        raise RuntimeError("every configuration failed")
+        raise AllConfigurationsFailed(f"every configuration failed ({len(cfgs)}; the messages above say why)")
     title = title or f"{args.workload}: {len(done)} configurations, {cfgs[0].workers} workers, {cfgs[0].network}"
     report = write_report(root, done, title, notes)
     summaries = [json.loads((d / "summary.json").read_text()) for d in done]

@@ -181,9 +181,23 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         progress=not args.no_progress, timeout=args.timeout)
 
 
+def _build_reducer_once(cfg) -> None:
+    """Construct the run's reducer on rank 0 of a thread world of the run's size, so that option
+    *values* (and world-size requirements, e.g. gtopk's power of two) fail here, in one line, instead
+    of in every rank after the start. Reducer constructors only validate and store (no collective,
+    no gradient-sized allocation: every registered reducer is built this way in tests). Worlds beyond
+    the thread cluster's size are not built (the option names were checked already)."""
+    from ..reducers.registry import make_reducer
+    from ..threadcomm import MAX_THREAD_RANKS, ThreadWorld
+
+    if 1 <= cfg.workers <= MAX_THREAD_RANKS:
+        make_reducer(cfg.reducer, ThreadWorld(cfg.workers).comms()[0], density=cfg.density, **cfg.reducer_options)
+
+
 def preflight(cfg, network: bool = True):
     """Every check that can fail before a rank starts or a directory is created: workload and its
-    options, reducer and its options (against the reducer's signature), merge plan, SparseDDP
+    options, reducer and its options (names against the reducer's signature, values by building it
+    once), merge plan, SparseDDP
     keywords, numbers, and (``network=True``) whether the emulated network can run here. Raises
     :class:`~sparsync.commands.UsageError` (one line); returns the built workload (defaults filled in)."""
     import inspect
@@ -211,6 +225,7 @@ def preflight(cfg, network: bool = True):
             from ..reducers.registry import load_all
 
             load_all()[cfg.reducer].check_options(cfg.reducer_options)
+            _build_reducer_once(cfg)
             parse_strategy(cfg.merge)
             fixed = {"self", "module", "comm", "reducer", "density", "merge", "reducer_options"}
             valid = [n for n, p in inspect.signature(SparseDDP.__init__).parameters.items()
