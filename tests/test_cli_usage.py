@@ -355,3 +355,14 @@ def test_compare_all_failed_is_one_line(tmp_path, capsys, monkeypatch):
     code, err = _one_line_error(capsys, ["compare", "--thread", "--no-baselines", "--configs", "micro:0.01",
                                          "--runs-dir", str(tmp_path / "runs"), "--no-progress"])
     assert code == 1 and len(err) == 1 and "every configuration failed" in err[0] and "Traceback" not in err[0]
+
+
+def test_labels_tell_configurations_apart():
+    """Two compare rows that differ only in a reducer option get different labels (table, report)."""
+    from sparsync.commands.compare import parse_configs
+    from sparsync.train.runs import TrainConfig
+
+    a, b = parse_configs("micro:0.02,momentum=0.9;micro:0.02,momentum=0.9,lead=0", 0.01, "single")
+    la = TrainConfig(reducer="micro", density=0.02, reducer_options=a["options"], convergence=a["convergence"]).label()
+    lb = TrainConfig(reducer="micro", density=0.02, reducer_options=b["options"], convergence=b["convergence"]).label()
+    assert la != lb and "lead=0" in lb and "momentum=0.9" in la and "momentum=0.9" in lb

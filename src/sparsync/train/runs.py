@@ -129,8 +129,10 @@ class TrainConfig:
             return "torch " + self.reducer
         if self.reducer == "nocomm":
             return "no-comm floor"
+        # reducer options too: two rows differing only there must not share a label
         conv = "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
-                       for k, v in sorted({**self.convergence, **_labelled(self.ddp_options)}.items()))
+                       for k, v in sorted({**self.reducer_options, **self.convergence,
+                                           **_labelled(self.ddp_options)}.items()))
         if self.reducer == "dense":
             return f"dense ({self.merge}{conv})"
         return f"{self.reducer} {self.density:g} ({self.merge}{conv})"
