@@ -366,3 +366,15 @@ def test_labels_tell_configurations_apart():
     la = TrainConfig(reducer="micro", density=0.02, reducer_options=a["options"], convergence=a["convergence"]).label()
     lb = TrainConfig(reducer="micro", density=0.02, reducer_options=b["options"], convergence=b["convergence"]).label()
     assert la != lb and "lead=0" in lb and "momentum=0.9" in la and "momentum=0.9" in lb
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_preflight_builds_every_reducer_with_its_defaults(workers):
+    """The value check builds each registered reducer once (no collective, nothing gradient-sized):
+    none of them is rejected with its defaults at a power-of-two world size."""
+    from sparsync.commands.train import preflight
+    from sparsync.reducers.registry import load_all
+    from sparsync.train.runs import TrainConfig
+
+    for name in sorted(load_all()):
+        preflight(TrainConfig(reducer=name, density=0.01, workers=workers), network=False)
