@@ -245,19 +245,24 @@ class Reducer:
         sent = self.wire_values(vals)
         return sent, self.comm.allreduce(sent).to(vals.dtype)
 
-    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor | None = None) -> None:
+    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor | None = None,
+                    acc_vals: torch.Tensor | None = None) -> None:
         """Error feedback, second half: the residual becomes ``acc`` minus what was sent.
 
         ``sent_vals`` (the :meth:`wire_values` actually sent) when they are rounded: the entry keeps
         ``acc - float(sent)``, exact in fp32 (a value and its fp16/bf16 rounding are within a factor
         2 unless the rounding is 0 or saturated, and then the difference is a representable fp32),
         so ``acc == residual + sent`` holds bitwise. Otherwise the sent entries are zeroed.
-        Takes ownership of ``acc`` (modified in place; no extra pass over the gradient).
+        ``acc_vals``: ``acc`` at ``sent_idx`` when the caller gathered it already (saves a gather;
+        ``sent_idx`` unique). Takes ownership of ``acc`` (modified in place; no extra pass over the
+        gradient).
         """
+        idx = sent_idx.to(torch.int64)
         if sent_vals is None or sent_vals.dtype == acc.dtype:
-            acc.index_fill_(0, sent_idx.to(torch.int64), 0)  # on CPU ~half the time of acc[sent_idx] = 0
+            acc.index_fill_(0, idx, 0)  # on CPU ~half the time of acc[sent_idx] = 0
         else:
-            acc[sent_idx] = acc[sent_idx] - sent_vals.to(acc.dtype)
+            old = acc.index_select(0, idx) if acc_vals is None else acc_vals
+            set_at(acc, idx, old - sent_vals.to(acc.dtype))
         self.residual = acc
 
     @property

@@ -63,7 +63,7 @@ class GTopkReducer(BufferedAccumulator, Reducer):
             idx = select_topk(acc, k, self._scratch)
             vals = acc.index_select(0, idx)
             own_idx, own_vals = idx, vals
-            acc.index_fill_(0, idx, 0)  # acc is now the local residual
+            self.keep_unsent(acc, idx)  # acc is now the local residual
         self.stats["selected"] = k
         drops = []
         with comm.phase("gtopk:reduce"):

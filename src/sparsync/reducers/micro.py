@@ -134,7 +134,7 @@ from ..select.threshold import (
     partitioned_threshold_select,
     threshold_indices,
 )
-from ..sparse import index_dtype_for, set_at
+from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
 from .registry import register
 
@@ -363,8 +363,6 @@ class MicroReducer(BufferedAccumulator, Reducer):
         """
         if estimate is not None:
             return self._window_from_estimates(estimate)
-        if not self.lead:
-            return self.controller.delta
         return self.controller.delta * min(4.0, max(0.25, self.trend)) ** self.lead
 
     def _local_estimate(self, acc: torch.Tensor, start: int, end: int) -> float:
@@ -472,15 +470,12 @@ class MicroReducer(BufferedAccumulator, Reducer):
                     else:
                         sent, vals = self.allreduce_wire_values(mine)
         with self.timed("update"):
-            if K:
-                if sent.dtype == acc.dtype:
-                    acc.index_fill_(0, union, 0)
-                else:  # half values sent: the rounding error stays
-                    set_at(acc, union, mine - sent.to(acc.dtype))
+            if K:  # half values sent: their rounding error stays in the residual
+                self.keep_unsent(acc, union, sent, acc_vals=mine)
             else:
                 vals = acc.new_zeros(0)
+                self.residual = acc
             out = IndexedSum(union, vals, self.numel)
-            self.residual = acc
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
             self.trend = 1.0 if self.prev_threshold is None else delta / self.prev_threshold
             self.prev_threshold = delta
