@@ -208,31 +208,65 @@ def test_dense_reducer_leaves_input_or_reduces_in_place():
         assert same and torch.equal(g, torch.full((6,), 6.0))  # donated buffer holds the sum
 
 
+def _micro_half_steps(comm, value_dtype, n, steps):
+    r = ss.make_reducer("micro", comm, density=0.01, value_dtype=value_dtype)
+    g = torch.Generator().manual_seed(comm.rank)
+    rows = []
+    for _ in range(steps):
+        grad = torch.randn(n, generator=g) * 3e2  # some values above fp16's max after accumulation
+        grad[comm.rank] = 1e6
+        before = torch.zeros(n) if r.residual is None else r.residual.clone()
+        out = r.reduce(grad)
+        rows.append((grad + before, r.residual.clone(), out, dict(r.stats), r.last_indices.clone(),
+                     r.last_union.clone()))
+    return rows
+
+
+def _to_wire(x, wdt):
+    return (x.clamp(-65504.0, 65504.0) if wdt == torch.float16 else x).to(wdt).float()
+
+
 @pytest.mark.parametrize("value_dtype,wdt", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_micro_owner_sum_keeps_half_values_conserving(value_dtype, wdt, P):
-    """micro's default value path (owner sums in fp32): with fp16/bf16 on the wire only each rank's
-    contribution is rounded, and that rounding stays in its residual - conserving, bitwise."""
+    """micro's default value path with fp16/bf16 on the wire: each rank's contribution travels rounded,
+    the owner adds the P contributions in fp32 in rank order and sends the sum back rounded too. Each
+    rounding error stays in a residual - the contributions' in the sender's, the sums' in the owner's
+    (at its own indices) - so the exchange is conserving, and every rank holds the same bits."""
     n, steps = 4001, 3
-    res = ss.run_local(_half_steps, P, "micro", value_dtype, n, steps)
+    res = ss.run_local(_micro_half_steps, P, value_dtype, n, steps)
     comm = ss.threadcomm.ThreadWorld(1).comms()[0]
     assert ss.make_reducer("micro", comm, value_dtype=value_dtype).conserving
     assert not ss.make_reducer("micro", comm, value_dtype=value_dtype, values="allreduce").conserving
     for s in range(steps):
-        sent = []
+        union = res[0][s][5]
+        assert union.numel() > 0 and all(torch.equal(res[r][s][5], union) for r in range(P))
+        sent = [_to_wire(res[r][s][0][union], wdt) for r in range(P)]  # what each rank put on the wire
+        total = torch.zeros(union.numel())  # the owners' fp32 rank-order sums
+        for x in sent:
+            total += x
+        wire = _to_wire(total, wdt)
+        err = torch.zeros(n)
+        err[union] = total - wire  # the sums' rounding error, kept by each index's owner
+        assert bool((err != 0).any())  # the test must see a sum that half precision cannot hold
         for r in range(P):
-            acc, resid, out, stats = res[r][s]
-            d = acc - resid
-            nz = d != 0
-            assert torch.equal(d[nz].to(wdt).float(), d[nz])  # every sent value is a half-precision number
-            sent.append(d)
-        ref = torch.zeros(n)  # the fp32 rank-order sum of what was sent, on every rank
-        for d in sent:
-            ref += d
+            acc, resid, out, stats, mine, _ = res[r][s]
+            assert torch.equal(out[union], wire), (r, s)  # the rounded sums, bitwise on every rank
+            assert int(torch.count_nonzero(out)) <= union.numel() and not bool(out.index_fill(0, union, 0).any())
+            expect = acc.clone()
+            expect[union] = acc[union] - sent[r]
+            expect[mine] += err[mine]
+            assert torch.equal(resid, expect), (r, s)
+        # conservation (float64): sum_r acc_r == out + sum_r residual_r up to the fp32 rounding of the
+        # owners' residual entries (without the kept sum error it would be off by ~2^-11 of a sum)
+        acc64 = sum(res[r][s][0].double() for r in range(P))
+        resid64 = sum(res[r][s][1].double() for r in range(P))
+        gap = (acc64 - resid64 - res[0][s][2].double()).abs()
+        scale = sum(res[r][s][1].double().abs() for r in range(P)) + acc64.abs()
+        assert bool((gap <= scale * 2.0 ** -22).all())
+        assert not bool(((gap - err.double()).abs() <= scale * 2.0 ** -22).all())  # without the kept error
+        counts = [res[q][s][3]["local_selected"] for q in range(P)]
         for r in range(P):
-            assert torch.equal(res[r][s][2], ref), (r, s)
-            st = res[r][s][3]
-            counts = [res[q][s][3]["local_selected"] for q in range(P)]
             pred = MicroReducer.predicted_cost(P, n, round(0.01 * n), counts=counts, value_bytes=2, rank=r,
                                                data_window=s < 2)
-            assert st["bytes_received"] == pred["bytes_received"]
+            assert res[r][s][3]["bytes_received"] == pred["bytes_received"]

@@ -47,13 +47,15 @@ Threshold rule (option ``rule``; ``spec/micro.md`` §5 leaves it open, see ``doc
   every rank after step 3, so ``delta`` stays identical everywhere); ``"micro"`` is the authors'
   x1.005 / x1.00125 / x0.995 rule, for reproduction.
 
-Cost (per rank ``r``, ``m = max_r |idx_r|`` index elements, ``m_r = |idx_r|``, ``K = sum_r |idx_r|``;
-``value_bytes`` on the wire, ``acc_bytes`` = 4 for fp32 sums)::
+Cost (per rank ``r``, ``m = max_r |idx_r|`` index elements, ``m_r = |idx_r|``, ``K = sum_r |idx_r|``,
+``value_bytes`` on the wire - the contributions and, on the owner path, the sums; ``nb`` =
+``ceil(ceil(n/P) / 65536)`` blocks per partition)::
 
     rounds         = (P - 1) [histogram rule]  +  (P - 1) [start="data", steps 0-1]  +  (P - 1)  +  2 (P - 1)
     bytes_received = (P - 1) (bins + 2) 8 [histogram rule]  +  (P - 1) 8 [start="data", steps 0-1]
-                     +  (P - 1) * m * index_bytes
-                     + (P - 1) * m_r * value_bytes + (K - m_r) * acc_bytes     [values="owner"]
+                     +  (P - 1) * 2 (2 nb + m)    [histogram rule, indices="block16", when < m * index_bytes]
+                     |  (P - 1) * m * index_bytes [otherwise]
+                     + (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes   [values="owner"]
                      + 2 (P - 1) * K * value_bytes // P                       [values="allreduce"]
 
 (the ledger counts a batch of ``P - 1`` direct messages as ``P - 1`` rounds, like a ring step
@@ -89,10 +91,17 @@ Other options (``make_reducer("micro", comm, density, ...)``):
   caller keeps are never touched (a fresh 40 MB output cost ~7 ms per rank per step, ~15-25 ms
   with 4 ranks on 2 cores).
 * ``values`` - how the selected values are summed: ``"owner"`` (default) or ``"allreduce"`` (see
-  step 4). The owner path sums in fp32 (the owner adds the ``P`` contributions in rank order and
-  sends the sums, so every rank holds the same bits), which also keeps it conserving with
-  ``value_dtype`` fp16/bf16 (only the contributions travel rounded; their rounding error stays in
-  the residual). The all-reduce sums half-precision values on the wire (not conserving then).
+  step 4). The owner adds the ``P`` contributions in rank order in fp32 and sends the sums, so
+  every rank holds the same bits. With ``value_dtype`` fp16/bf16 both the contributions and the
+  sums travel in half precision, and every rounding error stays in a residual - each rank's
+  contribution's in its own, each sum's in its owner's (at the owner's own indices, where it is
+  sent again once it has grown) - so the path is conserving at half the value bytes. The
+  all-reduce sums half-precision values on the wire (not conserving then).
+* ``indices`` - how the padded index all-gather of the default rule encodes the indices:
+  ``"block16"`` (default) as 16-bit offsets within 65536-entry blocks of the sender's partition
+  plus one int32 count per block (:mod:`sparsync.blockindex`; used when it is smaller than
+  ``index_bytes`` per index, i.e. from ``2 nb`` indices on: half the index bytes), ``"plain"``
+  int32 (int64 beyond ``2^31`` entries). The result is bitwise the same.
 * ``gather`` - how the fixed-size all-gathers of the default rule (histogram counts, padded index
   lists) travel: ``"direct"`` (default) posts the ``P - 1`` sends and receives at once
   (``comm.exchange`` with known sizes); ``"ring"`` uses ``comm.allgather`` (gloo's ring: ``P - 1``
@@ -134,6 +143,7 @@ from ..select.threshold import (
     partitioned_threshold_select,
     threshold_indices,
 )
+from ..blockindex import block16_bytes, block16_pays, block_count, decode_block16, encode_block16
 from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
 from .registry import register
@@ -182,7 +192,7 @@ def check_cap_factor(cap_factor):
 class MicroReducer(BufferedAccumulator, Reducer):
     conserving = True
     supports_value_dtype = True
-    value_dtype_conserving = True  # values="owner" sums in fp32; "allreduce" sums halves (set per instance)
+    value_dtype_conserving = True  # values="owner" keeps every rounding; "allreduce" does not (set per instance)
     indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
@@ -190,7 +200,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
                  gamma: float = 0.5, max_step: float = 2.0, band: float = 0.02, min_step: float = 1e-3,
                  grow: float = 1.5, shrink: float = 0.5, cap_factor: float | None = 4.0,
                  force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct",
-                 values: str = "owner", start: str = "data", lead: float = 0.7, **rest):
+                 values: str = "owner", start: str = "data", lead: float = 0.7, indices: str = "block16",
+                 **rest):
         if values not in ("owner", "allreduce"):
             raise ValueError(f"micro: values must be 'owner' or 'allreduce', got {values!r}")
         self.values = values
@@ -218,6 +229,9 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if gather not in ("direct", "ring"):
             raise ValueError(f"micro: gather must be 'direct' or 'ring', got {gather!r}")
         self.gather = gather
+        if indices not in ("block16", "plain"):
+            raise ValueError(f"micro: indices must be 'block16' or 'plain', got {indices!r}")
+        self.indices = indices
         if start not in ("data", "guess"):
             raise ValueError(f"micro: start must be 'data' or 'guess', got {start!r}")
         self.start = start
@@ -307,12 +321,17 @@ class MicroReducer(BufferedAccumulator, Reducer):
         got[me] = t
         return [got[p] for p in range(P)]
 
-    def _owner_sum(self, sent: torch.Tensor, sizes: list[int], step: int, dtype) -> torch.Tensor:
-        """Sum over ranks of ``sent`` (every rank's values at the union, in partition order).
+    def _owner_sum(self, sent: torch.Tensor, sizes: list[int], step: int,
+                   dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(sum over ranks of ``sent``, this owner's rounding error or None).
 
-        Two direct batches (``values="owner"``): rank ``r`` sends the slice at rank ``q``'s indices to
-        ``q``; ``q`` adds the ``P`` slices in rank order in ``dtype`` (fp32) and sends the sum to every
-        rank. Every sum is computed once, by its owner, so all ranks hold the same bits.
+        ``sent``: every rank's values at the union, in partition order. Two direct batches
+        (``values="owner"``): rank ``r`` sends the slice at rank ``q``'s indices to ``q``; ``q`` adds
+        the ``P`` slices in rank order in ``dtype`` (fp32) and sends the sum to every rank. Every
+        sum is computed once, by its owner, so all ranks hold the same bits. With half-precision
+        values (``value_dtype``) the sums travel in half precision too, and the owner returns
+        their rounding error, ``total - float(half(total))`` (exact in fp32), for its residual at
+        its own indices: nothing is lost, and the sums cost half the bytes.
         """
         comm = self.comm
         P, me = comm.world_size, comm.rank
@@ -326,26 +345,43 @@ class MicroReducer(BufferedAccumulator, Reducer):
         total = got[0].to(dtype, copy=True)
         for p in range(1, P):
             total += got[p]
-        sums = comm.exchange([(q, (total, "fixed")) for q in peers],
-                             [(q, (piece[q].numel(), dtype)) for q in peers]) if P > 1 else {}
-        sums[me] = total
-        return torch.cat([sums[partition_owner(p, step, P)] for p in range(P)])
+        wire, err = total, None
+        if sent.dtype != dtype:  # half values: the sums go back rounded, the owner keeps the error
+            wire = self.wire_values(total)
+            err = total - wire.to(dtype)
+        sums = comm.exchange([(q, (wire, "fixed")) for q in peers],
+                             [(q, (piece[q].numel(), wire.dtype)) for q in peers]) if P > 1 else {}
+        sums[me] = wire
+        return torch.cat([sums[partition_owner(p, step, P)] for p in range(P)]).to(dtype), err
 
     def _cap(self, size: int) -> int | None:
         if self.cap_factor is None:
             return None
         return min(size, max(1, math.ceil(self.cap_factor * self.controller.target / self.comm.world_size)))
 
-    def _gather_indices(self, idx: torch.Tensor, known: list[int] | None) -> list[torch.Tensor]:
-        """Every rank's selected indices in rank order, on the narrowest index dtype: ``allgatherv``,
+    def _gather_indices(self, idx: torch.Tensor, known: list[int] | None, step: int) -> list[torch.Tensor]:
+        """Every rank's selected indices in rank order: ``allgatherv`` on the narrowest index dtype,
         or, when the calibration told every rank all counts (``known``), one all-gather padded to the
-        largest count (no count round)."""
+        largest count (no count round) - as 16-bit offsets within 65536-entry blocks of the sender's
+        partition when that is smaller (``indices="block16"``, :mod:`sparsync.blockindex`)."""
         comm = self.comm
-        wire = idx.to(index_dtype_for(self.numel))
         with comm.phase(self.name + ".indices"):
             if known is None:
-                return comm.allgatherv(wire)
-            return gather_padded(wire, known, self._allgather_fixed)
+                return comm.allgatherv(idx.to(index_dtype_for(self.numel)))
+            nb = self._index_blocks()
+            if nb is None or not block16_pays(max(known), nb, index_dtype_for(self.numel).itemsize):
+                return gather_padded(idx.to(index_dtype_for(self.numel)), known, self._allgather_fixed)
+            P = comm.world_size
+            starts = [self._bounds[owned_partition(r, step, P)][0] for r in range(P)]
+            msg = encode_block16(idx, starts[comm.rank], nb).view(torch.uint8)  # gloo has no int16
+            got = gather_padded(msg, [2 * (2 * nb + c) for c in known], self._allgather_fixed)
+            return [decode_block16(m.view(torch.int16), s, nb, c) for m, s, c in zip(got, starts, known)]
+
+    def _index_blocks(self) -> int | None:
+        """Blocks per partition for ``indices="block16"`` (None: plain indices)."""
+        if self.indices != "block16" or self.comm.world_size == 1:
+            return None
+        return block_count(max(e - s for s, e in self._bounds))
 
     def _window_center(self, estimate: float | None) -> float:
         """Histogram rule: the centre of this step's window of candidate thresholds.
@@ -455,23 +491,26 @@ class MicroReducer(BufferedAccumulator, Reducer):
             idx = torch.tensor([start + step % (end - start)], dtype=torch.int64, device=acc.device)
         with self.timed("comm"):
             with self.timed("comm_indices"):
-                lists = self._gather_indices(idx, known)
+                lists = self._gather_indices(idx, known, step)
             counts = [x.numel() for x in lists]
             # partition order = globally sorted union, the same on every rank
             union = torch.cat([lists[partition_owner(p, step, P)] for p in range(P)]).to(torch.int64)
             K = union.numel()
+            sum_err = None
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
                     mine = acc.index_select(0, union)
                     if self.values == "owner":
                         sent = self.wire_values(mine)
-                        vals = self._owner_sum(sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)],
-                                               step, acc.dtype)
+                        vals, sum_err = self._owner_sum(
+                            sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step, acc.dtype)
                     else:
                         sent, vals = self.allreduce_wire_values(mine)
         with self.timed("update"):
             if K:  # half values sent: their rounding error stays in the residual
                 self.keep_unsent(acc, union, sent, acc_vals=mine)
+                if sum_err is not None:  # and the owner keeps its half sums' rounding error
+                    acc.index_add_(0, lists[comm.rank], sum_err)
             else:
                 vals = acc.new_zeros(0)
                 self.residual = acc
@@ -495,7 +534,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
     # ------------------------------------------------------------------ cost
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128,
-                       values="owner", rank=None, acc_bytes=4, data_window=False, **_):
+                       values="owner", rank=None, data_window=False, indices="block16", **_):
         """Cost per rank (``spec/micro.md`` §6, plus the calibration all-gather of the default rule;
         the value sum as the module docstring gives it for ``values``). ``data_window``: the step
         also all-gathers the 8-byte threshold estimates (``start="data"``: steps 0 and 1).
@@ -511,10 +550,16 @@ class MicroReducer(BufferedAccumulator, Reducer):
         cal_bytes = (P - 1) * (int(bins) + 2) * 8 if rule == "histogram" else 0
         if data_window and rule == "histogram":
             cal_rounds, cal_bytes = cal_rounds + P - 1, cal_bytes + (P - 1) * 8
+        nb = block_count(-(-n // P)) if indices == "block16" and rule == "histogram" else None
 
-        def value_bytes_at(K, m_r):
+        def index_bytes_at(m):  # one padded message per peer
+            if nb is not None and block16_pays(m, nb, index_bytes):
+                return (P - 1) * block16_bytes(m, nb)
+            return (P - 1) * m * index_bytes
+
+        def value_bytes_at(K, m_r):  # owner: contributions in, sums out, both as value_bytes
             if values == "owner":
-                return (P - 1) * m_r * value_bytes + (K - m_r) * acc_bytes
+                return (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes
             return 2 * (P - 1) * K * value_bytes // P
 
         if counts is not None:
@@ -522,8 +567,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
             rounds = cal_rounds + (P - 1 if m else 0) + (2 * (P - 1) if K else 0)
             ranks = range(P) if rank is None else [rank]
             vb = max(value_bytes_at(K, counts[r]) for r in ranks)
-            return {"rounds": rounds, "bytes_received": cal_bytes + (P - 1) * m * index_bytes + vb}
+            return {"rounds": rounds, "bytes_received": cal_bytes + index_bytes_at(m) + vb}
         lo_m, hi_m = math.ceil(k / P), k
-        lo = cal_bytes + (P - 1) * lo_m * index_bytes + value_bytes_at(k, lo_m)
-        hi = cal_bytes + (P - 1) * hi_m * index_bytes + value_bytes_at(k, hi_m)
+        lo = cal_bytes + index_bytes_at(lo_m) + value_bytes_at(k, lo_m)
+        hi = cal_bytes + index_bytes_at(hi_m) + value_bytes_at(k, hi_m)
         return {"rounds": cal_rounds + 3 * (P - 1), "bytes_received": (lo, hi)}
