@@ -71,7 +71,8 @@ def test_run_default_verdict_and_choice():
     fast = row("micro", 3.9, 0.966, 0.08)
     assert verdict(base + [fast, row("s2", 6.0)]).startswith("goal MET")
     out = verdict(base + [{**fast, "final_accuracy": 0.96}])  # 1 point worse than dense
-    assert out.startswith("goal NOT met") and "[NO] final accuracy +1.00" in out
+    assert out.startswith("goal NOT met") and "[NO] final accuracy 1.00 points below dense" in out
+    assert "[ok] final accuracy 0.30 points above dense" in verdict(base + [{**fast, "final_accuracy": 0.973}])
     assert "[NO] step 1.50x" not in verdict(base + [{**fast, "median_step_s": 0.09}])  # 1.5x is allowed
     assert "[NO] step 1.67x" in verdict(base + [{**fast, "median_step_s": 0.1}])
     assert "[NO] time to target 0.62x" in verdict(base + [{**fast, "time_to_target_s": 5.0}])
@@ -82,4 +83,4 @@ def test_run_default_verdict_and_choice():
     out = verdict(base + [{**fast, "label": "sloppy", "time_to_target_s": 3.0, "final_accuracy": 0.95}, fast])
     assert "best sparse micro reached the target in 3.90 s" in out and out.startswith("goal MET")
     out = verdict(base + [{**fast, "final_accuracy": 0.95}])  # none within 0.5 points: the fastest, judged
-    assert "[NO] final accuracy +2.00" in out
+    assert "[NO] final accuracy 2.00 points below dense" in out

@@ -120,7 +120,8 @@ def verdict(summaries: list[dict]) -> str:
                                    f"({'not reached' if t == inf else f'{t:.2f} s'})"))
     if d_acc is not None and best.get("final_accuracy") is not None:
         gap = 100 * (d_acc - best["final_accuracy"])
-        checks.append((gap <= 0.5, f"final accuracy {gap:+.2f} points below dense (goal <= 0.5)"))
+        where = f"{gap:.2f} points below" if gap > 0 else f"{-gap:.2f} points above"
+        checks.append((gap <= 0.5, f"final accuracy {where} dense (goal: at most 0.5 below)"))
     floor = (by.get("nocomm") or {}).get("median_step_s")
     if floor and best.get("median_step_s"):
         x = best["median_step_s"] / floor
