@@ -60,7 +60,7 @@ def test_micro_block16_is_bitwise_the_plain_result_with_fewer_bytes(P):
         counts = [block[r][s][2]["local_selected"] for r in range(P)]
         for r in range(P):
             assert torch.equal(block[r][s][0], plain[r][s][0]) and torch.equal(block[r][s][1], plain[r][s][1])
-            pb = MicroReducer.predicted_cost(P, n, k, counts=counts, rank=r, data_window=s < 2)
+            pb = MicroReducer.predicted_cost(P, n, k, counts=counts, rank=r, data_window=s < 2, indices="block16")
             pp = MicroReducer.predicted_cost(P, n, k, counts=counts, rank=r, data_window=s < 2, indices="plain")
             assert block[r][s][2]["bytes_received"] == pb["bytes_received"]
             assert plain[r][s][2]["bytes_received"] == pp["bytes_received"]
@@ -70,5 +70,9 @@ def test_micro_block16_is_bitwise_the_plain_result_with_fewer_bytes(P):
 
 def test_micro_indices_option_checked():
     comm = ss.threadcomm.ThreadWorld(1).comms()[0]
-    with pytest.raises(ValueError, match="indices must be 'block16' or 'plain'"):
+    with pytest.raises(ValueError, match="indices must be 'auto', 'block16' or 'plain'"):
         ss.make_reducer("micro", comm, indices="delta")
+    # auto: block16 exactly where the values travel in half precision
+    assert ss.make_reducer("micro", comm).indices == "plain"
+    assert ss.make_reducer("micro", comm, value_dtype="bf16").indices == "block16"
+    assert ss.make_reducer("micro", comm, value_dtype="fp16", indices="plain").indices == "plain"

@@ -15,8 +15,10 @@ Why: MiCRO's index all-gather is a third to a half of its bytes (issue 10 §4: "
 smallest type that fits, or delta-encoded if that measurably pays"). A fixed-width delta cannot be
 narrower than the largest gap; offsets within 65536-entry blocks have no such bound, need no
 escape codes, and keep the message size known from the count alone, so the padded all-gather
-(sizes known from the calibration) still needs no size exchange. Encoding is a ``bincount`` and two
-element-wise ops over the ``c`` indices; decoding a ``repeat_interleave`` - no pass over ``n``.
+(sizes known from the calibration) still needs no size exchange. Encoding is a ``searchsorted`` of
+the block edges and three element-wise ops over the ``c`` indices, decoding a ``repeat_interleave``
+and an add - no pass over ``n``, but ~0.35 ms more CPU than int32 indices per call at 25k indices
+per rank and P = 4 (measured), which is why micro uses it only with half-precision values.
 """
 
 from __future__ import annotations
@@ -46,17 +48,26 @@ def block16_pays(max_count: int, nb: int, index_bytes: int = 4) -> bool:
 
 
 def encode_block16(idx: torch.Tensor, start: int, nb: int) -> torch.Tensor:
-    """The int16 message of sorted ``idx`` in ``[start, start + nb * 65536)`` (layout above)."""
-    rel = idx.to(torch.int64) - int(start)
-    counts = torch.bincount(rel >> 16, minlength=nb).to(torch.int32)
-    low = ((rel & (BLOCK - 1)) - (BLOCK // 2)).to(torch.int16)
-    return torch.cat([counts.view(torch.int16), low])
+    """The int16 message of sorted ``idx`` in ``[start, start + nb * 65536)`` (layout above).
+
+    Counts by ``searchsorted`` of the block edges (the indices are sorted: 4x cheaper than a
+    ``bincount`` on CPU); ~60 us for 25k indices on one core."""
+    edges = torch.arange(nb + 1, dtype=torch.int64, device=idx.device) * BLOCK + int(start)
+    pos = torch.searchsorted(idx.to(torch.int64), edges)
+    out = torch.empty(2 * nb + idx.numel(), dtype=torch.int16, device=idx.device)
+    out[:2 * nb] = (pos[1:] - pos[:-1]).to(torch.int32).view(torch.int16)
+    low = idx - int(start)
+    low = low.bitwise_and_(BLOCK - 1) if low.dtype == torch.int64 else low.to(torch.int64).bitwise_and_(BLOCK - 1)
+    out[2 * nb:] = low.sub_(BLOCK // 2)
+    return out
 
 
 def decode_block16(msg: torch.Tensor, start: int, nb: int, count: int) -> torch.Tensor:
-    """The ``count`` int64 indices of a message made by :func:`encode_block16` (padding ignored)."""
+    """The ``count`` int64 indices of a message made by :func:`encode_block16` (padding ignored).
+
+    One ``repeat_interleave`` of the blocks' first index and one in-place add of the offsets
+    (converted first: a mixed int64 + int16 add is 4x slower); ~85 us for 25k indices."""
     counts = msg[:2 * nb].clone().view(torch.int32).to(torch.int64)  # clone: aligned for the view
-    low = msg[2 * nb:2 * nb + count].to(torch.int64) + (BLOCK // 2)
-    block = torch.repeat_interleave(torch.arange(nb, dtype=torch.int64, device=msg.device), counts,
-                                    output_size=count)
-    return (block << 16) + low + int(start)
+    base = torch.arange(nb, dtype=torch.int64, device=msg.device) * BLOCK + (int(start) + BLOCK // 2)
+    out = torch.repeat_interleave(base, counts, output_size=count)
+    return out.add_(msg[2 * nb:2 * nb + count].to(torch.int64))

@@ -53,7 +53,7 @@ Cost (per rank ``r``, ``m = max_r |idx_r|`` index elements, ``m_r = |idx_r|``, `
 
     rounds         = (P - 1) [histogram rule]  +  (P - 1) [start="data", steps 0-1]  +  (P - 1)  +  2 (P - 1)
     bytes_received = (P - 1) (bins + 2) 8 [histogram rule]  +  (P - 1) 8 [start="data", steps 0-1]
-                     +  (P - 1) * 2 (2 nb + m)    [histogram rule, indices="block16", when < m * index_bytes]
+                     +  (P - 1) * 2 (2 nb + m)    [histogram rule, block16 indices, when < m * index_bytes]
                      |  (P - 1) * m * index_bytes [otherwise]
                      + (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes   [values="owner"]
                      + 2 (P - 1) * K * value_bytes // P                       [values="allreduce"]
@@ -98,10 +98,13 @@ Other options (``make_reducer("micro", comm, density, ...)``):
   sent again once it has grown) - so the path is conserving at half the value bytes. The
   all-reduce sums half-precision values on the wire (not conserving then).
 * ``indices`` - how the padded index all-gather of the default rule encodes the indices:
-  ``"block16"`` (default) as 16-bit offsets within 65536-entry blocks of the sender's partition
-  plus one int32 count per block (:mod:`sparsync.blockindex`; used when it is smaller than
-  ``index_bytes`` per index, i.e. from ``2 nb`` indices on: half the index bytes), ``"plain"``
-  int32 (int64 beyond ``2^31`` entries). The result is bitwise the same.
+  ``"block16"`` as 16-bit offsets within 65536-entry blocks of the sender's partition plus one
+  int32 count per block (:mod:`sparsync.blockindex`; used when it is smaller than ``index_bytes``
+  per index, i.e. from ``2 nb`` indices on: half the index bytes), ``"plain"`` int32 (int64 beyond
+  ``2^31`` entries), ``"auto"`` (default) block16 with ``value_dtype`` fp16/bf16, plain with fp32.
+  The result is bitwise the same. Why "auto": the codec costs ~0.4 ms more CPU per call at 25k
+  indices per rank (P = 4), and on the CPU-bound emulated cluster at 1 Gbit/s that made the fp32
+  reduce of issue 11 4-8 % slower; a caller who sends half values has chosen bytes over CPU.
 * ``gather`` - how the fixed-size all-gathers of the default rule (histogram counts, padded index
   lists) travel: ``"direct"`` (default) posts the ``P - 1`` sends and receives at once
   (``comm.exchange`` with known sizes); ``"ring"`` uses ``comm.allgather`` (gloo's ring: ``P - 1``
@@ -200,7 +203,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
                  gamma: float = 0.5, max_step: float = 2.0, band: float = 0.02, min_step: float = 1e-3,
                  grow: float = 1.5, shrink: float = 0.5, cap_factor: float | None = 4.0,
                  force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct",
-                 values: str = "owner", start: str = "data", lead: float = 0.7, indices: str = "block16",
+                 values: str = "owner", start: str = "data", lead: float = 0.7, indices: str = "auto",
                  **rest):
         if values not in ("owner", "allreduce"):
             raise ValueError(f"micro: values must be 'owner' or 'allreduce', got {values!r}")
@@ -229,8 +232,10 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if gather not in ("direct", "ring"):
             raise ValueError(f"micro: gather must be 'direct' or 'ring', got {gather!r}")
         self.gather = gather
-        if indices not in ("block16", "plain"):
-            raise ValueError(f"micro: indices must be 'block16' or 'plain', got {indices!r}")
+        if indices not in ("auto", "block16", "plain"):
+            raise ValueError(f"micro: indices must be 'auto', 'block16' or 'plain', got {indices!r}")
+        if indices == "auto":  # block16 where the caller chose bytes over CPU (half values)
+            indices = "plain" if self.wire_dtype is None else "block16"
         self.indices = indices
         if start not in ("data", "guess"):
             raise ValueError(f"micro: start must be 'data' or 'guess', got {start!r}")
@@ -534,7 +539,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
     # ------------------------------------------------------------------ cost
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128,
-                       values="owner", rank=None, data_window=False, indices="block16", **_):
+                       values="owner", rank=None, data_window=False, indices="auto", **_):
         """Cost per rank (``spec/micro.md`` §6, plus the calibration all-gather of the default rule;
         the value sum as the module docstring gives it for ``values``). ``data_window``: the step
         also all-gathers the 8-byte threshold estimates (``start="data"``: steps 0 and 1).
@@ -550,6 +555,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
         cal_bytes = (P - 1) * (int(bins) + 2) * 8 if rule == "histogram" else 0
         if data_window and rule == "histogram":
             cal_rounds, cal_bytes = cal_rounds + P - 1, cal_bytes + (P - 1) * 8
+        if indices == "auto":
+            indices = "block16" if value_bytes < 4 else "plain"
         nb = block_count(-(-n // P)) if indices == "block16" and rule == "histogram" else None
 
         def index_bytes_at(m):  # one padded message per peer
