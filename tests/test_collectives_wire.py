@@ -78,8 +78,9 @@ def test_comm_capabilities_same_on_both_backends(backend):
 
 
 # ---------------------------------------------------------------------- half-precision values on the wire
-def _half_steps(comm, name, value_dtype, n, steps):
-    opts = {"threshold": 800.0} if name == "hard_threshold" else {}  # ~1% of N(0, 300)
+def _half_steps(comm, name, value_dtype, n, steps, **opts):
+    if name == "hard_threshold":
+        opts["threshold"] = 800.0  # ~1% of N(0, 300)
     r = ss.make_reducer(name, comm, density=0.01, value_dtype=value_dtype, **opts)
     g = torch.Generator().manual_seed(comm.rank)
     rows = []
@@ -217,12 +218,12 @@ def _to_wire(x, wdt):
 @pytest.mark.parametrize("value_dtype,wdt", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("P", [2, 3, 4])
 def test_micro_owner_sum_keeps_half_values_conserving(value_dtype, wdt, P):
-    """micro's default value path with fp16/bf16 on the wire: each rank's contribution travels rounded,
+    """micro's owner value path (the default for P > 2) with fp16/bf16 on the wire: each rank's contribution travels rounded,
     the owner adds the P contributions in fp32 in rank order and sends the sum back rounded too. Each
     rounding error stays in a residual - the contributions' in the sender's, the sums' in the owner's
     (at its own indices) - so the exchange is conserving, and every rank holds the same bits."""
     n, steps = 4001, 3
-    res = ss.run_local(_half_steps, P, "micro", value_dtype, n, steps)
+    res = ss.run_local(_half_steps, P, "micro", value_dtype, n, steps, values="owner")  # default for P > 2
     comm = ss.threadcomm.ThreadWorld(1).comms()[0]
     assert ss.make_reducer("micro", comm, value_dtype=value_dtype).conserving
     assert not ss.make_reducer("micro", comm, value_dtype=value_dtype, values="allreduce").conserving
@@ -256,5 +257,39 @@ def test_micro_owner_sum_keeps_half_values_conserving(value_dtype, wdt, P):
         counts = [res[q][s][3]["local_selected"] for q in range(P)]
         for r in range(P):
             pred = MicroReducer.predicted_cost(P, n, round(0.01 * n), counts=counts, value_bytes=2, rank=r,
-                                               data_window=s < 2)
+                                               values="owner", data_window=s < 2)
             assert res[r][s][3]["bytes_received"] == pred["bytes_received"]
+
+
+@pytest.mark.parametrize("value_dtype,wdt", [("fp16", torch.float16), ("fp32", torch.float32)])
+@pytest.mark.parametrize("P", [2, 3, 4])
+def test_micro_gathered_values_sum_the_same_bits_everywhere_and_conserve(value_dtype, wdt, P):
+    """micro's ``values="gather"``: every rank all-gathers the P contributions at the union (rounded to
+    the wire dtype, each rank keeping its own rounding error) and adds them in rank order in fp32: the
+    output at the union is that sum, bitwise, on every rank; nothing else is rounded (no sum goes back
+    over the wire), and the ledger is ``(P - 1) K value_bytes`` for the values."""
+    n, steps = 4001, 3
+    res = ss.run_local(_half_steps, P, "micro", value_dtype, n, steps, values="gather")
+    comm = ss.threadcomm.ThreadWorld(1).comms()[0]
+    assert ss.make_reducer("micro", comm, value_dtype=value_dtype, values="gather").conserving
+    for s in range(steps):
+        union = res[0][s][5]
+        assert union.numel() > 0 and all(torch.equal(res[r][s][5], union) for r in range(P))
+        sent = [_to_wire(res[r][s][0][union], wdt) for r in range(P)]
+        total = torch.zeros(union.numel())
+        for x in sent:
+            total += x
+        for r in range(P):
+            acc, resid, out, stats, mine, _ = res[r][s]
+            assert torch.equal(out[union], total), (r, s)
+            assert not bool(out.index_fill(0, union, 0).any())
+            expect = acc.clone()
+            expect[union] = acc[union] - sent[r]
+            assert torch.equal(resid, expect), (r, s)  # exactly the unsent part, rounding error included
+        counts = [res[q][s][3]["local_selected"] for q in range(P)]
+        vb = 2 if wdt == torch.float16 else 4
+        for r in range(P):
+            pred = MicroReducer.predicted_cost(P, n, round(0.01 * n), counts=counts, value_bytes=vb, rank=r,
+                                               values="gather", data_window=s < 2)
+            assert res[r][s][3]["bytes_received"] == pred["bytes_received"]
+            assert res[r][s][3]["rounds"] == pred["rounds"]

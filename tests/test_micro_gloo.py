@@ -5,11 +5,13 @@ import torch
 
 import sparsync as ss
 
-NAMES = ["micro", "hard_threshold", "cltk", "topka", "micro_ring_fp16"]
+NAMES = ["micro", "hard_threshold", "cltk", "topka", "micro_ring_fp16", "micro_gather_fp16"]
 OPTS = {"micro": {}, "hard_threshold": {"threshold": 2.0}, "cltk": {}, "topka": {},
         # gloo's ring all-gather of the 16-bit index offsets (as bytes) and half-precision owner sums
-        "micro_ring_fp16": {"gather": "ring", "value_dtype": "fp16"}}
-REDUCER = {"micro_ring_fp16": "micro"}  # row label -> reducer, where they differ
+        "micro_ring_fp16": {"gather": "ring", "value_dtype": "fp16", "values": "owner"},
+        # every rank's half-precision contributions all-gathered directly, summed by every rank
+        "micro_gather_fp16": {"value_dtype": "fp16", "values": "gather"}}
+REDUCER = {"micro_ring_fp16": "micro", "micro_gather_fp16": "micro"}  # row label -> reducer, where they differ
 
 
 def _body(comm, n, steps):

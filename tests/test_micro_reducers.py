@@ -84,15 +84,17 @@ def test_ledger_matches_formula(P):
             out[name] = [rc["stats"] for rc in recs]
         out["rule_micro"] = [rc["stats"] for rc in run_steps(comm, "micro", n, 3, density=0.02, rule="micro")]
         out["ring_values"] = [rc["stats"] for rc in run_steps(comm, "micro", n, 3, density=0.02, values="allreduce")]
+        out["gather_values"] = [rc["stats"] for rc in run_steps(comm, "micro", n, 3, density=0.02, values="gather")]
         return out
 
     res = ss.run_local(fn, P)
     k = round(0.02 * n)
     for t in range(3):
-        for key, rule in (("micro", "histogram"), ("rule_micro", "micro"), ("ring_values", "histogram")):
+        for key, rule in (("micro", "histogram"), ("rule_micro", "micro"), ("ring_values", "histogram"),
+                          ("gather_values", "histogram")):
             st = [res[r][key][t] for r in range(P)]
             counts = [s["local_selected"] for s in st]
-            values = "allreduce" if key == "ring_values" else "owner"
+            values = {"ring_values": "allreduce", "gather_values": "gather"}.get(key, "auto")  # auto: gather at P <= 2
             first = t < 2  # start="data": the first two windows all-gather the threshold estimates
             for r, s in enumerate(st):  # the owner path receives by rank: exact per rank
                 pred = MicroReducer.predicted_cost(P, n, k, counts=counts, rule=rule, values=values, rank=r,

@@ -112,9 +112,10 @@ def test_micro_ledger_from_the_data():
     with ``|g| >= delta``; the ring all-gather of int32 indices receives ``(P-1) * max count * 4``
     bytes; the values: ``values="allreduce"`` - the ring all-reduce of the ``K`` float32 values,
     ``2(P-1) K 4 // P``; ``values="owner"`` - rank ``r`` receives the ``P-1`` contributions at its own
-    ``c_r`` indices and the ``K - c_r`` sums of the other owners, ``((P-1) c_r + K - c_r) 4``."""
+    ``c_r`` indices and the ``K - c_r`` sums of the other owners, ``((P-1) c_r + K - c_r) 4``;
+    ``values="gather"`` - every peer's ``K`` contributions in one batch, ``(P-1) K 4``."""
     n, delta = 1001, 1.5
-    for values in ("owner", "allreduce"):
+    for values in ("owner", "allreduce", "gather"):
         for P in (2, 3, 4):
             res = ss.run_local(_micro_first_step, P, n, delta, values)
             q, rem = divmod(n, P)
@@ -126,7 +127,9 @@ def test_micro_ledger_from_the_data():
             for r, (_, nbytes, rounds) in enumerate(res):
                 if values == "allreduce":
                     expect = (P - 1) * m * 4 + 2 * (P - 1) * K * 4 // P
+                elif values == "gather":
+                    expect = (P - 1) * m * 4 + (P - 1) * K * 4
                 else:
                     expect = (P - 1) * m * 4 + ((P - 1) * counts[r] + K - counts[r]) * 4
                 assert nbytes == expect, (values, P, r, counts, nbytes)
-                assert rounds == 3 * (P - 1)
+                assert rounds == (2 if values == "gather" else 3) * (P - 1)

@@ -11,10 +11,13 @@ partitions; at step ``t`` rank ``r`` owns partition ``(t mod P + r) mod P``. Eac
    concatenates them in *partition* order, which is the globally sorted union ``idx_t`` on every
    rank,
 4. sums ``acc[idx_t]`` over ranks - every rank contributes at every selected index, including
-   those chosen by other ranks. Default (``values="owner"``): each rank sends the values at rank
+   those chosen by other ranks. Default for ``P > 2`` (``values="owner"``): each rank sends the values at rank
    ``q``'s indices to ``q``, the owner sums them in rank order and sends the sums back - a
    reduce-scatter + all-gather along the partitions in two direct batches (2 dependent rounds
    instead of the ring all-reduce's ``2(P - 1)``, the same bytes; see ``values`` below);
+   ``values="gather"``: every rank sends its values at the whole union to every peer (one direct
+   batch: one dependent round instead of two, ``(P - 1) K`` values received instead of ``~2K``) and
+   every rank adds the ``P`` contributions in rank order itself (the default for ``P <= 2``);
    ``values="allreduce"``: one dense all-reduce of the ``K_t`` values (the paper's wording),
 5. zeroes ``acc[idx_t]`` and keeps the rest as residual (conserving), and
 6. scales the threshold for the next step.
@@ -51,11 +54,13 @@ Cost (per rank ``r``, ``m = max_r |idx_r|`` index elements, ``m_r = |idx_r|``, `
 ``value_bytes`` on the wire - the contributions and, on the owner path, the sums; ``nb`` =
 ``ceil(ceil(n/P) / 65536)`` blocks per partition)::
 
-    rounds         = (P - 1) [histogram rule]  +  (P - 1) [start="data", steps 0-1]  +  (P - 1)  +  2 (P - 1)
+    rounds         = (P - 1) [histogram rule]  +  (P - 1) [start="data", steps 0-1]  +  (P - 1)
+                     +  2 (P - 1) [values="owner", "allreduce"]  |  (P - 1) [values="gather"]
     bytes_received = (P - 1) (bins + 2) 8 [histogram rule]  +  (P - 1) 8 [start="data", steps 0-1]
                      +  (P - 1) * 2 (2 nb + m)    [histogram rule, block16 indices, when < m * index_bytes]
                      |  (P - 1) * m * index_bytes [otherwise]
                      + (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes   [values="owner"]
+                     + (P - 1) * K * value_bytes                              [values="gather"]
                      + 2 (P - 1) * K * value_bytes // P                       [values="allreduce"]
 
 (the ledger counts a batch of ``P - 1`` direct messages as ``P - 1`` rounds, like a ring step
@@ -90,13 +95,19 @@ Other options (``make_reducer("micro", comm, density, ...)``):
   caller has dropped every reference to it (views included) and is zeroed in full, so outputs the
   caller keeps are never touched (a fresh 40 MB output cost ~7 ms per rank per step, ~15-25 ms
   with 4 ranks on 2 cores).
-* ``values`` - how the selected values are summed: ``"owner"`` (default) or ``"allreduce"`` (see
-  step 4). The owner adds the ``P`` contributions in rank order in fp32 and sends the sums, so
+* ``values`` - how the selected values are summed: ``"owner"``, ``"gather"`` or ``"allreduce"``
+  (see step 4); ``"auto"`` (default): ``"gather"`` for ``P <= 2`` (there it receives the same ``K``
+  values as the owner path, in one round instead of two, and no sum is rounded), ``"owner"``
+  beyond. The owner adds the ``P`` contributions in rank order in fp32 and sends the sums, so
   every rank holds the same bits. With ``value_dtype`` fp16/bf16 both the contributions and the
   sums travel in half precision, and every rounding error stays in a residual - each rank's
   contribution's in its own, each sum's in its owner's (at the owner's own indices, where it is
   sent again once it has grown) - so the path is conserving at half the value bytes. The
-  all-reduce sums half-precision values on the wire (not conserving then).
+  all-reduce sums half-precision values on the wire (not conserving then). ``"gather"`` trades
+  bytes for latency: one batch of direct messages instead of the owner path's two dependent ones,
+  at ``(P - 1) / 2`` times the owner path's value bytes (1.5x at P = 4); every rank sums the same
+  ``P`` contributions in the same order, so all hold the same bits, and only the contributions are
+  rounded to ``value_dtype`` (each rank keeps its own rounding error): conserving.
 * ``indices`` - how the padded index all-gather of the default rule encodes the indices:
   ``"block16"`` as 16-bit offsets within 65536-entry blocks of the sender's partition plus one
   int32 count per block (:mod:`sparsync.blockindex`; used when it is smaller than ``index_bytes``
@@ -179,6 +190,14 @@ class BufferedAccumulator:
         pass
 
 
+def value_path(values: str, P: int) -> str:
+    """``values="auto"`` -> ``"gather"`` for ``P <= 2`` (the same bytes as the owner path, one round
+    fewer), ``"owner"`` beyond (``(P - 1) / 2`` times fewer value bytes); any other choice as given."""
+    if values == "auto":
+        return "gather" if P <= 2 else "owner"
+    return values
+
+
 def check_cap_factor(cap_factor):
     if cap_factor is None:
         return None
@@ -195,7 +214,7 @@ def check_cap_factor(cap_factor):
 class MicroReducer(BufferedAccumulator, Reducer):
     conserving = True
     supports_value_dtype = True
-    value_dtype_conserving = True  # values="owner" keeps every rounding; "allreduce" does not (set per instance)
+    value_dtype_conserving = True  # "owner" / "gather" keep every rounding; "allreduce" does not (set per instance)
     indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
@@ -203,12 +222,12 @@ class MicroReducer(BufferedAccumulator, Reducer):
                  gamma: float = 0.5, max_step: float = 2.0, band: float = 0.02, min_step: float = 1e-3,
                  grow: float = 1.5, shrink: float = 0.5, cap_factor: float | None = 4.0,
                  force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct",
-                 values: str = "owner", start: str = "data", lead: float = 0.7, indices: str = "auto",
+                 values: str = "auto", start: str = "data", lead: float = 0.7, indices: str = "auto",
                  **rest):
-        if values not in ("owner", "allreduce"):
-            raise ValueError(f"micro: values must be 'owner' or 'allreduce', got {values!r}")
-        self.values = values
-        self.value_dtype_conserving = values == "owner"  # read by Reducer.__init__
+        if values not in ("auto", "owner", "gather", "allreduce"):
+            raise ValueError(f"micro: values must be 'auto', 'owner', 'gather' or 'allreduce', got {values!r}")
+        self.values = values = value_path(values, comm.world_size)
+        self.value_dtype_conserving = values != "allreduce"  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
         self.threshold0 = None if threshold is None else check_threshold(threshold)
         rules = ("histogram",) + ThresholdController.RULES
@@ -353,6 +372,16 @@ class MicroReducer(BufferedAccumulator, Reducer):
                              [(q, (piece[q].numel(), wire.dtype)) for q in peers]) if P > 1 else {}
         sums[me] = wire
         return torch.cat([sums[partition_owner(p, step, P)] for p in range(P)]).to(dtype), err
+
+    def _gathered_sum(self, sent: torch.Tensor, dtype) -> torch.Tensor:
+        """(``values="gather"``) the sum over ranks of ``sent`` (every rank's values at the union):
+        one all-gather of the contributions (:meth:`_allgather_fixed`: every rank's ``K`` is the
+        same), added in rank order in ``dtype`` on every rank - the same bits everywhere."""
+        got = self._allgather_fixed(sent)
+        total = got[0].to(dtype, copy=True)
+        for g in got[1:]:
+            total += g
+        return total
 
     def _cap(self, size: int) -> int | None:
         if self.cap_factor is None:
@@ -500,7 +529,10 @@ class MicroReducer(BufferedAccumulator, Reducer):
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
                     mine = acc.index_select(0, union)
-                    if self.values == "owner":
+                    if self.values == "gather":
+                        sent = self.wire_values(mine)
+                        vals = self._gathered_sum(sent, acc.dtype)
+                    elif self.values == "owner":
                         sent = self.wire_values(mine)
                         vals, sum_err = self._owner_sum(
                             sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step, acc.dtype)
@@ -534,7 +566,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
     # ------------------------------------------------------------------ cost
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128,
-                       values="owner", rank=None, data_window=False, indices="auto", **_):
+                       values="auto", rank=None, data_window=False, indices="auto", **_):
         """Cost per rank (``spec/micro.md`` §6, plus the calibration all-gather of the default rule;
         the value sum as the module docstring gives it for ``values``). ``data_window``: the step
         also all-gathers the 8-byte threshold estimates (``start="data"``: steps 0 and 1).
@@ -550,6 +582,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
         cal_bytes = (P - 1) * (int(bins) + 2) * 8 if rule == "histogram" else 0
         if data_window and rule == "histogram":
             cal_rounds, cal_bytes = cal_rounds + P - 1, cal_bytes + (P - 1) * 8
+        values = value_path(values, P)
+        value_rounds = P - 1 if values == "gather" else 2 * (P - 1)
         if indices == "auto":
             indices = "block16" if value_bytes < 4 else "plain"
         nb = block_count(-(-n // P)) if indices == "block16" and rule == "histogram" else None
@@ -562,15 +596,17 @@ class MicroReducer(BufferedAccumulator, Reducer):
         def value_bytes_at(K, m_r):  # owner: contributions in, sums out, both as value_bytes
             if values == "owner":
                 return (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes
+            if values == "gather":
+                return (P - 1) * K * value_bytes
             return 2 * (P - 1) * K * value_bytes // P
 
         if counts is not None:
             K, m = sum(counts), max(counts)
-            rounds = cal_rounds + (P - 1 if m else 0) + (2 * (P - 1) if K else 0)
+            rounds = cal_rounds + (P - 1 if m else 0) + (value_rounds if K else 0)
             ranks = range(P) if rank is None else [rank]
             vb = max(value_bytes_at(K, counts[r]) for r in ranks)
             return {"rounds": rounds, "bytes_received": cal_bytes + index_bytes_at(m) + vb}
         lo_m, hi_m = math.ceil(k / P), k
         lo = cal_bytes + index_bytes_at(lo_m) + value_bytes_at(k, lo_m)
         hi = cal_bytes + index_bytes_at(hi_m) + value_bytes_at(k, hi_m)
-        return {"rounds": cal_rounds + 3 * (P - 1), "bytes_received": (lo, hi)}
+        return {"rounds": cal_rounds + (P - 1) + value_rounds, "bytes_received": (lo, hi)}
