@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -65,8 +65,16 @@ class PhaseCost:
     header_bytes: int = 0
 
     def add(self, other: "PhaseCost") -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+        for name in _COST_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict:
+        """The counters as a plain dict (``dataclasses.asdict`` without its deep copies: the ledger
+        is read before and after every reduce, on the communication thread's critical path)."""
+        return {name: getattr(self, name) for name in _COST_FIELDS}
+
+
+_COST_FIELDS = tuple(f.name for f in fields(PhaseCost))
 
 
 class Ledger:
@@ -79,24 +87,24 @@ class Ledger:
     def __init__(self) -> None:
         self.phases: dict[str, PhaseCost] = {}
         self.label = "default"
+        self._total = PhaseCost()  # kept with every record: the totals are read around every reduce
 
     def record(self, cost: PhaseCost) -> None:
         self.phases.setdefault(self.label, PhaseCost()).add(cost)
+        self._total.add(cost)
 
     def total(self) -> PhaseCost:
-        out = PhaseCost()
-        for c in self.phases.values():
-            out.add(c)
-        return out
+        """The sum over phases (a copy)."""
+        return PhaseCost(**self._total.as_dict())
 
     def __getattr__(self, name):  # totals: messages_sent, bytes_sent, bytes_received, rounds, ...
-        if name in PhaseCost.__dataclass_fields__:
-            return getattr(self.total(), name)
+        if name in _COST_FIELDS:
+            return getattr(self._total, name)
         raise AttributeError(name)
 
     def snapshot(self) -> dict:
         """Totals as a plain dict (cheap to compare before/after a call)."""
-        return asdict(self.total())
+        return self._total.as_dict()
 
     def since(self, snap: dict) -> dict:
         now = self.snapshot()
@@ -104,6 +112,7 @@ class Ledger:
 
     def reset(self) -> None:
         self.phases.clear()
+        self._total = PhaseCost()
 
     def __repr__(self) -> str:
         return f"Ledger({self.snapshot()}, phases={list(self.phases)})"

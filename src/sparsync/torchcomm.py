@@ -25,7 +25,7 @@ COPY_PIPELINE, COPY_PIPELINE_MIN = 4, 1 << 20
 #: cluster (median of the max over ranks, the two alternated): P = 4, 8 B: ring 12.9-16.4 ms, direct
 #: 9.0-11.8; 100 kB: 16.6 / 13.0; 200 kB: 22.3 / 17.5; 300 kB: 24.5 / 25.7; 800 kB: 41.3 / 55.8 (the
 #: ``P - 1`` simultaneous large flows queue at the shaped link); P = 8, 8 B: 41.4 / 28.5, 100 kB:
-#: 51.8 / 37.2, 300 kB: 91.4 / 76.7
+#: 51.8 / 37.2, 300 kB: 91.4 / 76.7 (``sparsync bench gather-routes``)
 DIRECT_GATHER_MAX = 256 * 1024
 
 

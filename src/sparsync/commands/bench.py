@@ -1,4 +1,4 @@
-"""``sparsync bench allreduce|reducers|revision``: side-by-side timing tables (median of max over ranks).
+"""``sparsync bench allreduce|reducers|revision|gather-routes``: side-by-side timing tables (median of max over ranks).
 
 ``allreduce`` compares the dense all-reduce with lossless sparse all-reduce algorithms
 (:mod:`sparsync.bench.allreduce`); ``reducers`` compares lossy reducers end to end
@@ -6,7 +6,8 @@
 (``--bandwidth 1gbit``; several networks as a comma list), print a table with the speedup over
 dense and write every row to ``--csv``. ``--algorithms all`` / ``--reducers all`` pick up every
 registered method at run time. ``revision`` times the reducers of an earlier git revision beside the
-current ones (:mod:`sparsync.bench.revision`).
+current ones (:mod:`sparsync.bench.revision`); ``gather-routes`` times an equal-size all-gather by
+gloo's ring against direct messages (:mod:`sparsync.bench.gather_routes`).
 """
 
 from __future__ import annotations
@@ -171,6 +172,33 @@ def _revision(args) -> int:
     return 0
 
 
+def _gather_routes(args) -> int:
+    from ..bench.gather_routes import run_gather_routes
+    from ..bench.report import fmt_ms, format_table, write_csv
+    from ..cluster import ClusterUnavailable
+
+    rows = []
+    try:
+        for network in args.bandwidth:
+            for P in args.workers:
+                if P < 2:
+                    raise UsageError("bench gather-routes needs at least 2 workers")
+                rows += run_gather_routes(P, args.sizes, calls=args.calls, warmup=args.warmup, network=network,
+                                          timeout=args.timeout, fallback_loopback=args.fallback_loopback)
+    except ClusterUnavailable as e:
+        print(f"sparsync bench gather-routes: {e}", file=sys.stderr)
+        return 2
+    shown = [dict(r, ring=fmt_ms(r["ring_s"]), direct=fmt_ms(r["direct_s"]), ratio=f"{r['ratio']:.2f}") for r in rows]
+    cols = [("network", "network"), ("world_size", "P"), ("bytes", "bytes per rank"), ("ring", "ring ms"),
+            ("direct", "direct ms"), ("ratio", "direct / ring")]
+    print(format_table(shown, cols, markdown=args.markdown))
+    print(f"(median over {args.calls} calls of the slowest rank, the two routes alternated, a barrier before each)")
+    if args.csv:
+        write_csv(args.csv, rows, ["network", "world_size", "bytes", "ring_s", "direct_s", "ratio"])
+        print(f"wrote {args.csv}")
+    return 0
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: sparse all-reduce algorithms, reducers",
                               description=__doc__)
@@ -228,4 +256,14 @@ def register(subparsers) -> None:
     v.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
     v.add_argument("--pattern", default="heavy_tail", help="gradients: 'heavy_tail' (default) or 'normal'")
     v.set_defaults(func=_revision)
+
+    gr = sub.add_parser("gather-routes", help="equal-size all-gathers: gloo's ring vs direct messages, by size",
+                        description="Both routes of an equal-size all-gather alternated call by call "
+                                    "(sparsync.bench.gather_routes): where TorchComm's DIRECT_GATHER_MAX comes from.")
+    _common(gr)
+    gr.add_argument("--sizes", type=COUNTS, default="8,1e4,1e5,2e5,3e5,5e5,8e5",
+                    help="comma list of message sizes in bytes per rank")
+    gr.add_argument("--calls", type=int, default=15, help="timed calls per route and size (default 15)")
+    gr.add_argument("--warmup", type=int, default=3, help="untimed calls (default 3)")
+    gr.set_defaults(func=_gather_routes)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
