@@ -220,8 +220,9 @@ def _to_wire(x, wdt):
 def test_micro_owner_sum_keeps_half_values_conserving(value_dtype, wdt, P):
     """micro's owner value path (the default for P > 2) with fp16/bf16 on the wire: each rank's
     contribution travels rounded, the owner adds the P contributions in fp32 in rank order and sends
-    the sum back rounded too. Each rounding error stays in a residual - the contributions' in the sender's, the sums' in the owner's
-    (at its own indices) - so the exchange is conserving, and every rank holds the same bits."""
+    the sum back rounded too. Each rounding error stays in a residual - the contributions' in the
+    sender's, the sums' in the owner's (at its own indices) - so the exchange is conserving, and every
+    rank holds the same bits."""
     n, steps = 4001, 3
     res = ss.run_local(_half_steps, P, "micro", value_dtype, n, steps, values="owner")  # default for P > 2
     comm = ss.threadcomm.ThreadWorld(1).comms()[0]
