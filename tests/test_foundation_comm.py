@@ -82,36 +82,45 @@ def test_gloo_comm_calls_and_same_ledger_as_threads(P):
 
 def _equal_gather_routes(comm):
     """Which route TorchComm takes for equal-size gathers: the ring collective is disabled, so a
-    small all-gatherv (counts and padded data of at most DIRECT_GATHER_MAX bytes) must go direct,
-    and one over the limit must fail on the disabled collective."""
+    gather that still succeeds went direct. Returns (small, at the limit, over the limit) routes, and
+    the small gather's result."""
     from sparsync.torchcomm import DIRECT_GATHER_MAX
 
     def no_ring(t):
         raise AssertionError("ring all-gather used")
 
+    ring = comm._allgather
     comm._allgather = no_ring
     r, P = comm.rank, comm.world_size
-    small = comm.allgatherv(torch.arange(r + 3, dtype=torch.int32))
     limit = DIRECT_GATHER_MAX // 4
-    edge = comm.allgatherv(torch.full((limit - P + 1 + r,), r, dtype=torch.int32))  # largest = exactly the limit
-    try:
-        comm.allgatherv(torch.zeros(limit + 1, dtype=torch.int32))
-        big = "direct"
-    except AssertionError:
-        big = "ring"
+    routes, small = [], None
+    # counts and padded lists: r + 3 int32, exactly DIRECT_GATHER_MAX bytes at the largest, one more int32
+    for t in (torch.arange(r + 3, dtype=torch.int32), torch.full((limit - P + 1 + r,), r, dtype=torch.int32),
+              torch.zeros(limit + 1, dtype=torch.int32)):
+        try:
+            got = comm.allgatherv(t)
+            routes.append("direct")
+        except AssertionError:  # every rank fails at the same call
+            routes.append("ring")
+            comm._allgather = ring  # the counts: the rest of the test needs a working group
+            comm.allgatherv(t)
+            comm._allgather = no_ring
+            got = None
+        if small is None and got is not None:
+            small = [x.tolist() for x in got]
     comm.barrier()
-    return [t.tolist() for t in small], [t.numel() for t in edge], big
+    return routes, small
 
 
 @pytest.mark.gloo
-def test_gloo_small_equal_gathers_go_direct():
-    from sparsync.torchcomm import DIRECT_GATHER_MAX
-
-    P = 3
-    for small, edge, big in ss.run_local(_equal_gather_routes, P, backend="gloo"):
-        assert small == [list(range(q + 3)) for q in range(P)]
-        assert edge == [DIRECT_GATHER_MAX // 4 - P + 1 + q for q in range(P)]
-        assert big == "ring"
+@pytest.mark.parametrize("P", [2, 3])
+def test_gloo_small_equal_gathers_go_direct_from_three_ranks(P):
+    for routes, small in ss.run_local(_equal_gather_routes, P, backend="gloo"):
+        if P == 2:  # the ring is one exchange too: the collective stays
+            assert routes == ["ring", "ring", "ring"]
+        else:
+            assert routes == ["direct", "direct", "ring"]
+            assert small == [list(range(q + 3)) for q in range(P)]
 
 
 def test_ledger_formulas_for_collectives():

@@ -20,13 +20,15 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 #: noise at n = 1e7, P = 4), and the smallest tensor that is cut (1 Mi elements: below it the copy is
 #: under a millisecond and each extra all-reduce costs its ring's latency)
 COPY_PIPELINE, COPY_PIPELINE_MIN = 4, 1 << 20
-#: the largest message (bytes) an equal-size all-gather on CPU sends directly to every peer at once
-#: instead of around gloo's ring (``TorchComm._allgather_equal``). Measured on the emulated 1 Gbit/s
-#: cluster (median of the max over ranks, the two alternated): P = 4, 8 B: ring 12.9-16.4 ms, direct
-#: 9.0-11.8; 100 kB: 16.6 / 13.0; 200 kB: 22.3 / 17.5; 300 kB: 24.5 / 25.7; 800 kB: 41.3 / 55.8 (the
-#: ``P - 1`` simultaneous large flows queue at the shaped link); P = 8, 8 B: 41.4 / 28.5, 100 kB:
-#: 51.8 / 37.2, 300 kB: 91.4 / 76.7 (``sparsync bench gather-routes``)
-DIRECT_GATHER_MAX = 256 * 1024
+#: the largest message (bytes) an equal-size all-gather on CPU with ``P >= 3`` sends directly to every
+#: peer at once instead of around gloo's ring (``TorchComm._allgather_equal``). Measured on the
+#: emulated 1 Gbit/s cluster (``sparsync bench gather-routes``, median of the slowest rank, the two
+#: alternated; direct / ring): P = 4: 8 B 0.60, 10 kB 0.67, 100 kB 0.69, 200 kB 1.14, 300 kB 1.21,
+#: 800 kB 1.40 (the ``P - 1`` simultaneous large flows queue at the shaped link); P = 8: 0.55-0.81
+#: up to 100 kB, 0.84-0.92 at 200-300 kB, 1.13-1.17 above; an earlier run at P = 4 put 200 kB at
+#: 0.78, so the cut sits below it. At P = 2 the ring is one exchange too: nothing to gain (0.75-2.4,
+#: noise), so the collective stays.
+DIRECT_GATHER_MAX = 128 * 1024
 
 
 class TorchComm(Comm):
@@ -72,11 +74,11 @@ class TorchComm(Comm):
         return out
 
     def _allgather_equal(self, t):
-        """Small equal-size gathers on CPU (counts, padded lists of at most
+        """Small equal-size gathers on CPU with ``P >= 3`` (counts, padded lists of at most
         :data:`DIRECT_GATHER_MAX` bytes) go as one batch of direct messages: latency-bound, they
         wait for one batch instead of ``P - 1`` ring steps, each of which needs the next process
         scheduled on an oversubscribed host. Larger ones, and CUDA tensors, use the collective."""
-        if self.device.type == "cpu" and t.numel() * t.element_size() <= DIRECT_GATHER_MAX:
+        if self.world_size > 2 and self.device.type == "cpu" and t.numel() * t.element_size() <= DIRECT_GATHER_MAX:
             return self._allgather_direct(t)
         return self._allgather(t)
 
