@@ -117,10 +117,10 @@ Other options (``make_reducer("micro", comm, density, ...)``):
   indices per rank (P = 4), and on the CPU-bound emulated cluster at 1 Gbit/s that made the fp32
   reduce of issue 11 4-8 % slower; a caller who sends half values has chosen bytes over CPU.
 * ``gather`` - how the fixed-size all-gathers of the default rule (histogram counts, padded index
-  lists) travel: ``"direct"`` (default) posts the ``P - 1`` sends and receives at once
-  (``comm.exchange`` with known sizes); ``"ring"`` uses ``comm.allgather`` (gloo's ring: ``P - 1``
-  dependent steps). The ledger is the same (``P - 1`` rounds, messages, and ``(P - 1) * nbytes``
-  each way); on the emulated cluster a 1 KiB ring all-gather took 1.3-3.9 ms, the direct batch
+  lists, and the contributions of ``values="gather"``) travel: ``"direct"`` (default) posts the
+  ``P - 1`` sends and receives at once (``comm.allgather_direct``); ``"ring"`` uses
+  ``comm.allgather`` (gloo's ring: ``P - 1`` dependent steps). The ledger is the same (``P - 1``
+  rounds, messages, and ``(P - 1) * nbytes`` each way); on the emulated cluster a 1 KiB ring all-gather took 1.3-3.9 ms, the direct batch
   0.3 ms, and with more ranks than cores every ring step waits for a process to be scheduled.
 
 Learning rate: the reducer sums whatever it is given; pass ``lr * grad`` for the paper's form
@@ -196,6 +196,15 @@ def value_path(values: str, P: int) -> str:
     if values == "auto":
         return "gather" if P <= 2 else "owner"
     return values
+
+
+def rank_order_sum(parts: list[torch.Tensor], dtype) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` in ``dtype`` (a new tensor), added in list order: every rank that
+    adds the same parts in the same order holds the same bits (the owner's and the gathered sums)."""
+    total = parts[0].to(dtype, copy=True)
+    for x in parts[1:]:
+        total += x
+    return total
 
 
 def check_cap_factor(cap_factor):
@@ -361,9 +370,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         got = comm.exchange([(q, (piece[q], "fixed")) for q in peers],
                             [(p, (mine.numel(), sent.dtype)) for p in peers]) if P > 1 else {}
         got[me] = mine
-        total = got[0].to(dtype, copy=True)
-        for p in range(1, P):
-            total += got[p]
+        total = rank_order_sum([got[p] for p in range(P)], dtype)
         wire, err = total, None
         if sent.dtype != dtype:  # half values: the sums go back rounded, the owner keeps the error
             wire = self.wire_values(total)
@@ -377,11 +384,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         """(``values="gather"``) the sum over ranks of ``sent`` (every rank's values at the union):
         one all-gather of the contributions (:meth:`_allgather_fixed`: every rank's ``K`` is the
         same), added in rank order in ``dtype`` on every rank - the same bits everywhere."""
-        got = self._allgather_fixed(sent)
-        total = got[0].to(dtype, copy=True)
-        for g in got[1:]:
-            total += g
-        return total
+        return rank_order_sum(self._allgather_fixed(sent), dtype)
 
     def _cap(self, size: int) -> int | None:
         if self.cap_factor is None:
@@ -529,15 +532,16 @@ class MicroReducer(BufferedAccumulator, Reducer):
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
                     mine = acc.index_select(0, union)
-                    if self.values == "gather":
-                        sent = self.wire_values(mine)
-                        vals = self._gathered_sum(sent, acc.dtype)
-                    elif self.values == "owner":
-                        sent = self.wire_values(mine)
-                        vals, sum_err = self._owner_sum(
-                            sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step, acc.dtype)
-                    else:
+                    if self.values == "allreduce":
                         sent, vals = self.allreduce_wire_values(mine)
+                    else:
+                        sent = self.wire_values(mine)
+                        if self.values == "gather":
+                            vals = self._gathered_sum(sent, acc.dtype)
+                        else:
+                            vals, sum_err = self._owner_sum(
+                                sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step,
+                                acc.dtype)
         with self.timed("update"):
             if K:  # half values sent: their rounding error stays in the residual
                 self.keep_unsent(acc, union, sent, acc_vals=mine)
