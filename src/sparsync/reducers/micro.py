@@ -120,8 +120,9 @@ Other options (``make_reducer("micro", comm, density, ...)``):
   lists, and the contributions of ``values="gather"``) travel: ``"direct"`` (default) posts the
   ``P - 1`` sends and receives at once (``comm.allgather_direct``); ``"ring"`` uses
   ``comm.allgather`` (gloo's ring: ``P - 1`` dependent steps). The ledger is the same (``P - 1``
-  rounds, messages, and ``(P - 1) * nbytes`` each way); on the emulated cluster a 1 KiB ring all-gather took 1.3-3.9 ms, the direct batch
-  0.3 ms, and with more ranks than cores every ring step waits for a process to be scheduled.
+  rounds, messages, and ``(P - 1) * nbytes`` each way); on the emulated cluster a 1 KiB ring
+  all-gather took 1.3-3.9 ms, the direct batch 0.3 ms, and with more ranks than cores every ring
+  step waits for a process to be scheduled.
 
 Learning rate: the reducer sums whatever it is given; pass ``lr * grad`` for the paper's form
 (``e + eta G``) or the raw gradient for the snapshot's form (``spec/micro.md`` §4) - the threshold
