@@ -16,11 +16,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,train]' $(TORCH)
 	touch $(STAMP)
 
-# Debian packages the emulated network needs (ip, tc); installed only when missing and we are root.
+# Debian packages: iproute2 for the emulated network (ip, tc), gcc for the C kernels
+# (sparsync.native; without it the slower torch kernels run). Installed only when missing and we are root.
 debs:
-	@if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q iproute2; \
-	  else echo "note: iproute2 missing and not root; emulated-network tests will skip"; fi; fi
+	@missing=""; \
+	if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then missing="iproute2"; fi; \
+	if ! command -v $${CC:-cc} >/dev/null 2>&1; then missing="$$missing gcc libc6-dev"; fi; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q $$missing; \
+	  else echo "note: missing $$missing and not root (no iproute2: emulated-network tests skip;" \
+	    "no gcc: the torch kernels run instead of the C ones)"; fi; fi
 
 run: setup
 	$(VENV)/bin/sparsync run-default

@@ -4,6 +4,7 @@ tie rule (lowest index wins; NaN ranks below every number) with ties, on every p
 import pytest
 import torch
 
+from sparsync import native
 from sparsync.select import exact
 from sparsync.select.exact import topk_indices, topk_rows, topk_select
 
@@ -18,9 +19,12 @@ def torch_set(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values
 
 
-@pytest.fixture(params=["default", "small_tiles"])
+@pytest.fixture(params=["default", "torch", "small_tiles"])
 def paths(request, monkeypatch):
-    """"small_tiles" sends small inputs through the sampled path, several tiles per row, odd tiles."""
+    """"default": the C compaction when it builds here; "torch": the torch candidate pass;
+    "small_tiles" (torch) sends small inputs through the sampled path, several tiles per row, odd tiles."""
+    if request.param != "default":
+        monkeypatch.setattr(native, "_state", {"lib": None, "why": "off for this test"})
     if request.param == "small_tiles":
         monkeypatch.setattr(exact, "CHUNK", 1001)
         monkeypatch.setattr(exact, "_MIN_ROW", 16)
@@ -38,7 +42,7 @@ def test_same_set_as_torch_topk_without_ties(n, paths):
         assert torch.equal(got, want), (n, k)
 
 
-def test_large_heavy_tailed_vector_equals_torch_topk():
+def test_large_heavy_tailed_vector_equals_torch_topk(paths):
     g = torch.Generator().manual_seed(3)
     n = 1_000_003  # not a multiple of anything: odd last tile, strided sample with a remainder
     x = torch.randn(n, generator=g) * torch.exp(1.5 * torch.randn(n, generator=g))
@@ -46,7 +50,8 @@ def test_large_heavy_tailed_vector_equals_torch_topk():
     for k in (1, 1000, 10_000, 300_000):
         idx, vals = topk_select(x, k, scratch)
         assert torch.equal(idx, torch_set(x, k)) and torch.equal(vals, x[idx])
-    assert "exact_topk_flags" in scratch  # the workspace is reused across calls
+    # the torch pass keeps its tile workspace in scratch across calls; the C pass needs none
+    assert ("exact_topk_abs" in scratch) == (not native.enabled())
 
 
 @pytest.mark.parametrize("values", [[0.0], [1.0, -1.0], [0.0, 1.0, -2.0, 2.0, 3.0]])

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from sparsync import native
 from sparsync.select.threshold import (
     ThresholdController,
     Workspace,
@@ -27,9 +28,17 @@ def naive(x, d):
     return torch.nonzero(x.abs() >= d).squeeze(1)
 
 
+@pytest.fixture(params=["default", "torch"])
+def kernel(request, monkeypatch):
+    """"default": the C compaction when it builds here; "torch": the chunked torch kernel."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "_state", {"lib": None, "why": "off for this test"})
+    return request.param
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 9, 1000, 4097])
 @pytest.mark.parametrize("chunk", [2, 6, 1024, 1 << 20])
-def test_threshold_indices_matches_naive(n, chunk):
+def test_threshold_indices_matches_naive(n, chunk, kernel):
     g = torch.Generator().manual_seed(n * 31 + chunk)
     x = torch.randn(n, generator=g)
     if n > 4:
@@ -41,7 +50,7 @@ def test_threshold_indices_matches_naive(n, chunk):
         assert torch.equal(got, naive(x, d))
 
 
-def test_threshold_indices_offset_workspace_and_views():
+def test_threshold_indices_offset_workspace_and_views(kernel):
     x = torch.randn(10_001)
     ws = Workspace()
     for s, e in [(0, 10_001), (1, 5000), (3333, 10_001), (17, 18)]:
@@ -55,7 +64,7 @@ def test_threshold_indices_offset_workspace_and_views():
     assert torch.equal(vals, x[idx])
 
 
-def test_nan_and_inf():
+def test_nan_and_inf(kernel):
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.1, -3.0])
     assert threshold_indices(x, 1.0).tolist() == [1, 2, 4]
 

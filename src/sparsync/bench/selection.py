@@ -44,7 +44,7 @@ __all__ = [
     "time_selection",
 ]
 
-SELECTORS = ("topk", "threshold_naive", "threshold", "micro_partition")
+SELECTORS = ("topk", "threshold_naive", "threshold", "threshold_torch", "micro_partition")
 
 
 def _median_time(fn, repeat: int, sync) -> float:
@@ -59,6 +59,11 @@ def _median_time(fn, repeat: int, sync) -> float:
     return statistics.median(ts)
 
 
+def _torch_pass(native, fn):
+    with native.switched_off():
+        return fn()
+
+
 def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, repeat: int = 5,
                    device="cpu", seed: int = 0) -> list[dict]:
     """Median wall time of each selection kernel on a standard-normal vector of ``numel`` entries.
@@ -66,7 +71,11 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
     The threshold kernels use the exact ``(1 - density)`` quantile of ``|x|`` (so every kernel
     selects ~``density * numel`` entries; a calibrated controller gets there in steady state).
     ``micro_partition`` is one rank's share: the threshold kernel over partition 0 of ``P``.
+    ``threshold`` is the kernel as it runs (its C pass when :mod:`sparsync.native` is on),
+    ``threshold_torch`` the same kernel with the C pass switched off (the chunked torch form).
     """
+    from .. import native
+
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(int(numel), generator=g).to(device)
     k = max(1, round(density * numel))
@@ -79,6 +88,7 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
         "topk": lambda: torch.topk(x.abs(), k, sorted=False),
         "threshold_naive": lambda: torch.nonzero(x.abs() >= delta),
         "threshold": lambda: threshold_indices(x, delta, workspace=ws),
+        "threshold_torch": lambda: _torch_pass(native, lambda: threshold_indices(x, delta, workspace=ws)),
         "micro_partition": lambda: threshold_indices(x[s:e], delta, workspace=ws, offset=s),
     }
     out = []
@@ -96,10 +106,13 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
     """``torch.topk`` vs the exact kernel (:func:`~sparsync.select.exact.topk_indices`) side by side.
 
     Input: issue 11's heavy-tailed gradient of rank 0 (:func:`~sparsync.bench.patterns.heavy_tail_grad`).
-    The two are timed alternately (one call each per repetition, so both see the same machine
-    load) after one untimed call each; ``torch.topk`` is timed as a reducer uses it (``|x|``, then
-    the top-k indices sorted). Returns the medians, their ratio, and whether the index sets are equal.
+    The kernel is timed twice: with its candidate pass in C (:mod:`sparsync.native`; when it builds
+    here) and with the torch pass. All are timed alternately (one call each per repetition, so all
+    see the same machine load) after one untimed call each; ``torch.topk`` is timed as a reducer
+    uses it (``|x|``, then the top-k indices sorted). Returns the medians, the ratio of
+    ``torch.topk`` to the kernel, and whether all index sets are equal.
     """
+    from .. import native
     from ..select.exact import topk_indices
     from .patterns import heavy_tail_grad
 
@@ -107,8 +120,13 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
     k = max(1, round(density * numel))
     sync = (lambda: torch.cuda.synchronize()) if torch.device(device).type == "cuda" else (lambda: None)
     scratch: dict = {}
+
+    def torch_pass():
+        with native.switched_off():
+            return topk_indices(x, k, scratch)
+
     fns = {"torch.topk": lambda: torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values,
-           "exact": lambda: topk_indices(x, k, scratch)}
+           "exact": lambda: topk_indices(x, k, scratch), "exact_torch": torch_pass}
     first = {name: fn() for name, fn in fns.items()}
     ts: dict = {name: [] for name in fns}
     for _ in range(repeat):
@@ -119,8 +137,10 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
             sync()
             ts[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(v) for name, v in ts.items()}
+    sets = list(first.values())
     return {"numel": int(numel), "density": density, "k": k, "topk_s": med["torch.topk"], "exact_s": med["exact"],
-            "speedup": med["torch.topk"] / med["exact"], "same_set": bool(torch.equal(*first.values()))}
+            "exact_torch_s": med["exact_torch"], "native": native.enabled(),
+            "speedup": med["torch.topk"] / med["exact"], "same_set": all(torch.equal(sets[0], s) for s in sets[1:])}
 
 
 # ---------------------------------------------------------------------- realistic gradient stream

@@ -74,28 +74,35 @@ def _main(args) -> int:
 def _exact(args, bs) -> None:
     """Exact top-k kernel vs torch.topk, per size and density."""
     print(f"\n### Exact top-k vs torch.topk ({args.device}, 1 thread; alternated, median of {args.repeat}; ms)\n")
-    print(_row(["n", "density", "k", "torch.topk (+ sort of k)", "exact kernel", "speed-up", "same set"]))
-    print(_row(["---"] * 7))
+    from .. import native
+
+    kernel = "exact kernel (C pass)" if native.enabled() else f"exact kernel ({native.info()['why']})"
+    print(_row(["n", "density", "k", "torch.topk (+ sort of k)", kernel, "speed-up", "exact kernel, torch pass",
+                "same set"]))
+    print(_row(["---"] * 8))
     for n in args.sizes:
         for d in args.densities:
             r = bs.compare_exact_topk(n, d, repeat=args.repeat, device=args.device)
             print(_row([f"{n:.3g}", d, r["k"], f"{r['topk_s'] * 1e3:.1f}", f"{r['exact_s'] * 1e3:.1f}",
-                        f"{r['speedup']:.1f}x", r["same_set"]]))
+                        f"{r['speedup']:.1f}x", f"{r['exact_torch_s'] * 1e3:.1f}", r["same_set"]]))
             sys.stdout.flush()
 
 
 def _selection(args, bs) -> None:
     """Selection cost of each selector (single process)."""
     print(f"\n### Selection cost ({args.device}, 1 thread; median of {args.repeat}; ms)\n")
-    print(_row(["n", "density", "exact top-k", "threshold naive", "threshold (chunked)",
+    from .. import native
+
+    print(_row(["n", "density", "exact top-k", "threshold naive",
+                "threshold kernel" + (" (C pass)" if native.enabled() else ""), "threshold kernel, torch pass",
                 f"MiCRO partition (1/{args.partitions})"]))
-    print(_row(["---"] * 6))
+    print(_row(["---"] * 7))
     for n in args.sizes:
         for d in args.densities:
             try:
                 rows = bs.time_selection(n, d, P=args.partitions, repeat=args.repeat, device=args.device)
             except RuntimeError as e:  # out of memory at 1e8 and the like
-                print(_row([f"{n:.0e}", d, f"failed: {e}"[:60], "", "", ""]))
+                print(_row([f"{n:.0e}", d, f"failed: {e}"[:60], "", "", "", ""]))
                 continue
             t = {r["selector"]: r["time_s"] * 1e3 for r in rows}
             print(_row([f"{n:.0e}", d] + [f"{t[s]:.2f}" for s in bs.SELECTORS]))

@@ -26,6 +26,10 @@ Measured on this project's 2-core CPU (``sparsync bench-select``, ``docs/benchma
 section): 2.5e6 entries at 1% in ~2 ms vs ~2.9 ms for ``nonzero(x.abs() >= delta)``; 1e7 entries in
 ~8 ms vs ~18 ms. Results are identical to the naive form (tested).
 
+For contiguous fp32 on the CPU the same indices come from a C loop instead
+(:mod:`sparsync.native`, when it builds: ~4-6x faster again); this torch kernel serves every other
+case and machines without a C compiler.
+
 NaN entries never pass the threshold (``NaN >= delta`` is false) - they stay in the residual.
 """
 
@@ -35,6 +39,7 @@ import math
 
 import torch
 
+from .. import native
 from .exact import topk_indices
 
 __all__ = [
@@ -112,6 +117,8 @@ def threshold_indices(x: torch.Tensor, delta: float, *, chunk: int = CHUNK,
     n = x.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
+    if native.usable(x):  # the C compaction: same indices, ~4-6x faster (sparsync.native)
+        return native.compact_abs_ge(x, delta, offset)
     if x.device.type != "cpu" or x.element_size() != 4:
         return torch.nonzero(x.abs() >= delta).squeeze(1) + offset
     chunk = max(2, int(chunk) & ~1)

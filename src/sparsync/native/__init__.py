@@ -1,0 +1,144 @@
+"""Optional C kernels for the passes torch has no fast CPU op for: stream compaction by magnitude.
+
+What: :func:`compact_abs_ge` returns the sorted indices ``i`` with ``|x[i]| >= t`` of a 1-D fp32
+CPU tensor; :func:`compact_rows_abs_ge` the flat indices ``r * cols + c`` with ``|X[r, c]| >= t[r]``
+of a ``[rows, cols]`` matrix (one threshold per row). They serve the threshold selection
+(:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold) and the candidate pass
+of the exact top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection).
+The result is the same set, in the same order, as the torch kernels they replace (tested side by
+side); only the time differs (``docs/benchmarks.md``, "C compaction").
+
+Why: on the CPU torch's ``nonzero`` costs ~2.5 ns per element (the threshold kernel's chunked
+``abs``/``ge``/``nonzero`` ~1.4 ns, the exact top-k's candidate pass ~3 ns); the C loop (``kernels.c``:
+AVX2 compares, one 64-bit mask per 64 elements, only the set bits visited) ~0.3 ns, about the cost
+of reading ``x`` once.
+
+Use: :func:`usable(x) <usable>` says whether a tensor can take the C path; callers keep their torch
+path for everything else (CUDA, other dtypes, non-contiguous views) and when the kernels are off.
+``SPARSYNC_NATIVE=0`` turns them off; a machine without a C compiler falls back with one warning
+(:func:`info` says which path runs and why). ``ctypes`` releases the GIL during the call, so a
+rank's training thread runs Python meanwhile.
+
+Buffers: the output is written into a per-thread scratch buffer that grows to the largest count
+seen (a second pass when a count exceeds it), then the ``count`` indices are copied out, so no
+full-size allocation happens per call and results the caller keeps are never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import threading
+import warnings
+
+import torch
+
+from .build import BuildError, load
+
+__all__ = ["compact_abs_ge", "compact_rows_abs_ge", "enabled", "info", "switched_off", "usable"]
+
+#: initial capacity of a thread's index buffer (int64 entries; grows on demand)
+_FIRST_CAPACITY = 1 << 16
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str: the reason when None)
+_local = threading.local()
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.sparsync_abi.restype = ctypes.c_int
+    lib.sparsync_vectorised.restype = ctypes.c_int
+    lib.sparsync_compact_abs_ge_f32.restype = i64
+    lib.sparsync_compact_abs_ge_f32.argtypes = [ptr, i64, ctypes.c_float, i64, ptr, i64]
+    lib.sparsync_compact_rows_abs_ge_f32.restype = i64
+    lib.sparsync_compact_rows_abs_ge_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+    return lib
+
+
+def _library() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (switched off, or the build failed: warned once)."""
+    if "lib" in _state:
+        return _state["lib"]
+    with _lock:
+        if "lib" in _state:
+            return _state["lib"]
+        if os.environ.get("SPARSYNC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
+            _state.update(lib=None, why="switched off (SPARSYNC_NATIVE=0)")
+            return None
+        try:
+            lib = _bind(load())
+            _state.update(lib=lib, why="")
+        except BuildError as e:
+            _state.update(lib=None, why=f"build failed: {e}")
+            warnings.warn(f"sparsync.native: C kernels unavailable ({e}); using the slower torch kernels",
+                          RuntimeWarning, stacklevel=3)
+        return _state["lib"]
+
+
+def enabled() -> bool:
+    """True when the C kernels are built, loaded and not switched off."""
+    return _library() is not None
+
+
+def info() -> dict:
+    """Which compaction path runs: ``{"enabled", "vectorised", "why"}`` (for reports and bug reports)."""
+    lib = _library()
+    return {"enabled": lib is not None, "vectorised": bool(lib and lib.sparsync_vectorised()),
+            "why": _state.get("why", "")}
+
+
+@contextlib.contextmanager
+def switched_off():
+    """Inside the block the torch kernels run (process-wide): side-by-side timings and tests."""
+    global _state
+    saved, _state = _state, {"lib": None, "why": "switched off for a block (native.switched_off)"}
+    try:
+        yield
+    finally:
+        _state = saved
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether ``x`` can take the C path: a contiguous fp32 CPU tensor, and the kernels are on."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and enabled()
+
+
+def _buffer(need: int) -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _local.buf = torch.empty(max(need, _FIRST_CAPACITY), dtype=torch.int64)
+    return buf
+
+
+def _run(call, most: int) -> torch.Tensor:
+    """``call(out_ptr, cap) -> count``; a second call with room for all when the buffer was short."""
+    buf = _buffer(min(most, _FIRST_CAPACITY))
+    count = call(buf.data_ptr(), buf.numel())
+    if count > buf.numel():
+        buf = _buffer(count)
+        count = call(buf.data_ptr(), buf.numel())
+    return buf[:count].clone()
+
+
+def compact_abs_ge(x: torch.Tensor, t: float, base: int = 0) -> torch.Tensor:
+    """Sorted int64 indices ``base + i`` with ``|x[i]| >= t`` (NaN never passes); ``x`` :func:`usable`."""
+    if not usable(x) or x.dim() != 1:
+        raise ValueError("compact_abs_ge needs a 1-D contiguous fp32 CPU tensor and the C kernels on "
+                         f"(got {tuple(x.shape)} {x.dtype} on {x.device}; {info()['why'] or 'kernels on'})")
+    lib, n, ptr = _library(), x.numel(), x.data_ptr()
+    return _run(lambda out, cap: lib.sparsync_compact_abs_ge_f32(ptr, n, float(t), int(base), out, cap), n)
+
+
+def compact_rows_abs_ge(X: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Sorted flat int64 indices ``r * cols + c`` with ``|X[r, c]| >= t[r]``; ``X`` 2-D :func:`usable`."""
+    if not usable(X) or X.dim() != 2:
+        raise ValueError("compact_rows_abs_ge needs a 2-D contiguous fp32 CPU tensor and the C kernels on "
+                         f"(got {tuple(X.shape)} {X.dtype} on {X.device}; {info()['why'] or 'kernels on'})")
+    rows, cols = X.shape
+    tt = t.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    if tt.numel() != rows:
+        raise ValueError(f"compact_rows_abs_ge needs one threshold per row ({rows}), got {tt.numel()}")
+    lib, ptr, tptr = _library(), X.data_ptr(), tt.data_ptr()
+    return _run(lambda out, cap: lib.sparsync_compact_rows_abs_ge_f32(ptr, rows, cols, tptr, out, cap), X.numel())

@@ -1,0 +1,139 @@
+"""The C compaction kernels (``sparsync.native``): the same indices as the torch reference on every
+edge (thresholds between fp32 neighbours, NaN, inf, signed zeros, lengths around the 64-element
+groups, a buffer too short for the count, several threads at once), and a clear fallback when
+they cannot be built."""
+
+import threading
+
+import pytest
+import torch
+
+from sparsync import native
+from sparsync.native import build
+
+pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"C kernels not built: {native.info()['why']}")
+
+
+def reference(x, t, base=0):
+    return torch.nonzero(x.abs() >= t).squeeze(1) + base
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 127, 128, 129, 1000, 4096 + 37])
+def test_compact_equals_torch_at_every_length(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g)
+    for t in (1e-30, 0.5, 1.0, 2.5, 10.0):
+        assert torch.equal(native.compact_abs_ge(x, t), reference(x, t))
+        assert torch.equal(native.compact_abs_ge(x, t, base=1000), reference(x, t, 1000))
+
+
+def test_special_values_and_thresholds_between_fp32_neighbours():
+    base = torch.tensor(1.0)
+    up = torch.nextafter(base, torch.tensor(2.0))
+    down = torch.nextafter(base, torch.tensor(0.0))
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.0, -1.0, float(up), float(down),
+                      -float(up), float(down) * -1, 3e-45, -3e-45] * 7, dtype=torch.float32)
+    # thresholds as Python floats (doubles) between fp32 values: torch compares in fp32, so must we
+    for t in (1.0, float(up), float(down), 1.0 + 1e-12, 1.0 - 1e-12, (1.0 + float(up)) / 2, 1e-45, 3e-45):
+        assert torch.equal(native.compact_abs_ge(x, t), reference(x, t)), t
+
+
+def test_short_buffer_takes_a_second_pass(monkeypatch):
+    monkeypatch.setattr(native, "_FIRST_CAPACITY", 5)
+    monkeypatch.setattr(native, "_local", threading.local())  # a fresh, short buffer for this thread
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(1))
+    got = native.compact_abs_ge(x, 0.1)
+    assert got.numel() > 9000 and torch.equal(got, reference(x, 0.1))
+    X = x.view(100, 100)
+    t = torch.linspace(0.05, 3.0, 100)
+    want = torch.nonzero((X.abs() >= t[:, None]).view(-1)).squeeze(1)
+    assert torch.equal(native.compact_rows_abs_ge(X, t), want)
+
+
+def test_results_are_not_overwritten_by_the_next_call():
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(2))
+    first = native.compact_abs_ge(x, 1.0)
+    keep = first.clone()
+    native.compact_abs_ge(-x * 3, 0.1)
+    assert torch.equal(first, keep)
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 1), (3, 63), (7, 64), (5, 65), (64, 129), (2, 5000)])
+def test_rows_with_a_threshold_each(rows, cols):
+    g = torch.Generator().manual_seed(rows * 1000 + cols)
+    X = torch.randn(rows, cols, generator=g)
+    X[0, 0] = float("nan")
+    t = torch.rand(rows, generator=g) * 2 + 1e-3
+    want = torch.nonzero((X.abs() >= t[:, None]).view(-1)).squeeze(1)
+    assert torch.equal(native.compact_rows_abs_ge(X, t), want)
+
+
+def test_threads_at_once_each_get_their_own_result():
+    xs = [torch.randn(200_000, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    got, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                got[i] = native.compact_abs_ge(xs[i], 2.0 + i / 10)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    for i in range(4):
+        assert torch.equal(got[i], reference(xs[i], 2.0 + i / 10))
+
+
+def test_unsuitable_inputs_are_refused_with_a_reason():
+    assert not native.usable(torch.randn(10, dtype=torch.float64))
+    assert not native.usable(torch.randn(10, 2).t())
+    with pytest.raises(ValueError, match="1-D contiguous fp32"):
+        native.compact_abs_ge(torch.randn(10, dtype=torch.float64), 1.0)
+    with pytest.raises(ValueError, match="one threshold per row"):
+        native.compact_rows_abs_ge(torch.randn(3, 4), torch.ones(2))
+
+
+def test_switched_off_and_failed_builds_fall_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("SPARSYNC_NATIVE", "0")
+    assert not native.enabled() and "SPARSYNC_NATIVE=0" in native.info()["why"]
+    # a compiler that does not exist: one warning naming it, then the torch kernels
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("SPARSYNC_NATIVE", "1")
+    monkeypatch.setenv("SPARSYNC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-cc-sparsync")
+    with pytest.warns(RuntimeWarning, match="no-such-cc-sparsync"):
+        assert not native.enabled()
+    assert "build failed" in native.info()["why"]
+    # a compiler that fails
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(build.BuildError, match="failed"):
+        build.load()
+
+
+def test_the_build_is_keyed_by_its_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSYNC_CACHE", str(tmp_path))
+    first = build.library_path()
+    edited = tmp_path / "kernels.c"
+    edited.write_text(build.SOURCE.read_text() + "\n/* edited */\n")
+    monkeypatch.setattr(build, "SOURCE", edited)
+    second = build.library_path()
+    assert first != second and first.parent == second.parent == tmp_path / "native"
+    lib = build.load()  # compiles the edited source into the cache
+    assert second.exists() and lib.sparsync_abi() == 1
+
+
+def test_switched_off_block_runs_the_torch_kernels_and_restores():
+    from sparsync.select.threshold import threshold_indices
+
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(4))
+    with native.switched_off():
+        assert not native.enabled() and not native.usable(x)
+        off = threshold_indices(x, 1.5)
+    assert native.enabled()
+    assert torch.equal(off, threshold_indices(x, 1.5))
