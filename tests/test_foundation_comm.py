@@ -80,6 +80,37 @@ def test_gloo_comm_calls_and_same_ledger_as_threads(P):
     assert [g[1] for g in gl] == [t[1] for t in th]  # identical accounting on both backends
 
 
+def _subgroup_exercise(comm):
+    """Every Comm call on a TorchComm over ranks 1..3 of 4 (messages address group ranks), plus a
+    complex tensor by point-to-point messages; rank 0 only takes part in creating the group."""
+    import torch.distributed as dist
+
+    from sparsync.torchcomm import TorchComm
+
+    group = dist.new_group([1, 2, 3])
+    if comm.rank == 0:
+        comm.barrier()
+        return None
+    sub = TorchComm(group)
+    assert sub._process_group() is group  # gloo does not coalesce: messages go by the group's send / recv
+    out = _exercise(sub)
+    r, P = sub.rank, sub.world_size
+    z = torch.tensor([complex(r, -r), complex(2 * r, 1)], dtype=torch.complex64)
+    got = sub.post([((r + 1) % P, z)], [((r - 1) % P, 2, torch.complex64)])[0].wait()
+    comm.barrier()
+    return out, got.tolist()
+
+
+@pytest.mark.gloo
+def test_gloo_comm_on_a_subgroup_addresses_group_ranks():
+    res = ss.run_local(_subgroup_exercise, 4, backend="gloo")
+    assert res[0] is None
+    _check([r[0] for r in res[1:]], 3)
+    for r in range(3):
+        left = (r - 1) % 3
+        assert res[r + 1][1] == [complex(left, -left), complex(2 * left, 1)]
+
+
 def _equal_gather_routes(comm):
     """Which route TorchComm takes for equal-size gathers: the ring collective is disabled, so a
     gather that still succeeds went direct. Returns (small, at the limit, over the limit) routes, and

@@ -89,6 +89,23 @@ def test_threads_at_once_each_get_their_own_result():
         assert torch.equal(got[i], reference(xs[i], 2.0 + i / 10))
 
 
+@pytest.mark.parametrize("n", [0, 1, 7, 5000])
+def test_bucket_count_equals_torch_bucketize(n):
+    g = torch.Generator().manual_seed(n + 5)
+    v = torch.randn(n, generator=g).abs() * 3
+    if n > 4:
+        v[:5] = torch.tensor([float("nan"), float("inf"), 0.0, 1.0, 2.0])  # NaN, inf, below all, on edges
+    edges = [torch.tensor([1.0, 2.0, 2.0, 2.0, 4.0]),  # repeated edges (low-precision windows)
+             torch.tensor([0.5]), torch.linspace(0.1, 5.0, 65)]
+    for e in edges:
+        hist, bucket = native.bucket_count(v, e)
+        want = torch.bucketize(v, e, right=True)
+        assert torch.equal(bucket, want)
+        assert torch.equal(hist, torch.bincount(want, minlength=e.numel() + 1))
+    with pytest.raises(ValueError, match="sorted ascending"):
+        native.bucket_count(v, torch.tensor([2.0, 1.0]))
+
+
 def test_unsuitable_inputs_are_refused_with_a_reason():
     assert not native.usable(torch.randn(10, dtype=torch.float64))
     assert not native.usable(torch.randn(10, 2).t())
@@ -125,7 +142,7 @@ def test_the_build_is_keyed_by_its_source(monkeypatch, tmp_path):
     second = build.library_path()
     assert first != second and first.parent == second.parent == tmp_path / "native"
     lib = build.load()  # compiles the edited source into the cache
-    assert second.exists() and lib.sparsync_abi() == 1
+    assert second.exists() and lib.sparsync_abi() == 2
 
 
 def test_switched_off_block_runs_the_torch_kernels_and_restores():

@@ -126,7 +126,7 @@ def test_partition_cap_keeps_largest():
         partitioned_threshold_select(x, 1.0, 5, 9)
 
 
-def test_calibration_histogram_counts_are_exact():
+def test_calibration_histogram_counts_are_exact(kernel):
     g = torch.Generator().manual_seed(1)
     v = torch.randn(5000, generator=g).abs()
     edges = calibration_edges(1.0, 1.5, 64)

@@ -31,6 +31,11 @@ COPY_PIPELINE, COPY_PIPELINE_MIN = 4, 1 << 20
 DIRECT_GATHER_MAX = 128 * 1024
 
 
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor travels as its real view (what ``isend`` / ``irecv`` do)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 class TorchComm(Comm):
     """Wraps a process group (the default group when ``group`` is None)."""
 
@@ -47,12 +52,34 @@ class TorchComm(Comm):
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
+    def _process_group(self):
+        """The group object whose ``send`` / ``recv`` :meth:`_post` calls directly, or None where
+        ``batch_isend_irecv`` must be used (a backend that coalesces, e.g. NCCL; resolved once)."""
+        pg = getattr(self, "_direct_pg", False)
+        if pg is False:
+            pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            if type(pg) is not dist.ProcessGroup or pg._get_backend(self.device).supports_coalescing:
+                pg = None
+            self._direct_pg = pg
+        return pg
+
     def _post(self, sends, recvs) -> list[Handle]:
-        ops = [dist.P2POp(dist.isend, t, self._global(d), self.group) for d, t in sends]
+        """Post every send, then every receive, at once. Where the backend does not coalesce
+        point-to-point operations (gloo), ``batch_isend_irecv`` posts them one by one through
+        ``isend`` / ``irecv``, whose argument handling (group lookups, rank translation, checks)
+        cost ~0.1 ms of CPU per message here, ~20 messages per MiCRO reduce: the process group's
+        own ``send`` / ``recv`` post the same operations, in the same order, directly (group ranks,
+        tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``."""
         bufs = [torch.empty(n, dtype=dt, device=self.device) for _, n, dt in recvs]
-        ops += [dist.P2POp(dist.irecv, b, self._global(s), self.group) for (s, _, _), b in zip(recvs, bufs)]
-        works = dist.batch_isend_irecv(ops) if ops else []
-        send_works, recv_works = works[: len(sends)], works[len(sends):]
+        pg = self._process_group()
+        if pg is not None:
+            send_works = [pg.send([_real(t)], d, 0) for d, t in sends]
+            recv_works = [pg.recv([_real(b)], s, 0) for (s, _, _), b in zip(recvs, bufs)]
+        else:
+            ops = [dist.P2POp(dist.isend, t, self._global(d), self.group) for d, t in sends]
+            ops += [dist.P2POp(dist.irecv, b, self._global(s), self.group) for (s, _, _), b in zip(recvs, bufs)]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            send_works, recv_works = works[: len(sends)], works[len(sends):]
 
         def make(i):
             def wait():

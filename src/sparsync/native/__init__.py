@@ -2,9 +2,10 @@
 
 What: :func:`compact_abs_ge` returns the sorted indices ``i`` with ``|x[i]| >= t`` of a 1-D fp32
 CPU tensor; :func:`compact_rows_abs_ge` the flat indices ``r * cols + c`` with ``|X[r, c]| >= t[r]``
-of a ``[rows, cols]`` matrix (one threshold per row). They serve the threshold selection
-(:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold) and the candidate pass
-of the exact top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection).
+of a ``[rows, cols]`` matrix (one threshold per row); :func:`bucket_count` the bucket of every value
+among sorted edges and the histogram of the buckets. They serve the threshold selection
+(:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold), MiCRO's calibration
+histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection).
 The result is the same set, in the same order, as the torch kernels they replace (tested side by
 side); only the time differs (``docs/benchmarks.md``, "C compaction").
 
@@ -36,7 +37,7 @@ import torch
 
 from .build import BuildError, load
 
-__all__ = ["compact_abs_ge", "compact_rows_abs_ge", "enabled", "info", "switched_off", "usable"]
+__all__ = ["bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "enabled", "info", "switched_off", "usable"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -54,6 +55,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sparsync_compact_abs_ge_f32.argtypes = [ptr, i64, ctypes.c_float, i64, ptr, i64]
     lib.sparsync_compact_rows_abs_ge_f32.restype = i64
     lib.sparsync_compact_rows_abs_ge_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64]
+    lib.sparsync_bucket_count_f32.restype = None
+    lib.sparsync_bucket_count_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
     return lib
 
 
@@ -142,3 +145,20 @@ def compact_rows_abs_ge(X: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"compact_rows_abs_ge needs one threshold per row ({rows}), got {tt.numel()}")
     lib, ptr, tptr = _library(), X.data_ptr(), tt.data_ptr()
     return _run(lambda out, cap: lib.sparsync_compact_rows_abs_ge_f32(ptr, rows, cols, tptr, out, cap), X.numel())
+
+
+def bucket_count(v: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(hist, bucket)``: ``bucket[i] = #{j : edges[j] <= v[i]}`` (NaN: ``len(edges)``, as
+    ``torch.bucketize(..., right=True)``) and ``hist`` its counts (``len(edges) + 1`` entries).
+    ``v`` 1-D :func:`usable`; ``edges`` sorted ascending (fp32, CPU)."""
+    if not usable(v) or v.dim() != 1:
+        raise ValueError("bucket_count needs a 1-D contiguous fp32 CPU tensor and the C kernels on "
+                         f"(got {tuple(v.shape)} {v.dtype} on {v.device}; {info()['why'] or 'kernels on'})")
+    e = edges.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+    if e.numel() > 1 and not bool((e[1:] >= e[:-1]).all()):
+        raise ValueError("bucket_count needs edges sorted ascending")
+    bucket = torch.empty(v.numel(), dtype=torch.int64)
+    hist = torch.empty(e.numel() + 1, dtype=torch.int64)
+    _library().sparsync_bucket_count_f32(v.data_ptr(), v.numel(), e.data_ptr(), e.numel(),
+                                         bucket.data_ptr(), hist.data_ptr())
+    return hist, bucket
