@@ -1,13 +1,14 @@
-"""Optional C kernels for the passes torch has no fast CPU op for: stream compaction by magnitude.
+"""Optional C kernels for what torch has no fast CPU op for: stream compaction by magnitude, buckets.
 
 What: :func:`compact_abs_ge` returns the sorted indices ``i`` with ``|x[i]| >= t`` of a 1-D fp32
 CPU tensor; :func:`compact_rows_abs_ge` the flat indices ``r * cols + c`` with ``|X[r, c]| >= t[r]``
 of a ``[rows, cols]`` matrix (one threshold per row); :func:`bucket_count` the bucket of every value
 among sorted edges and the histogram of the buckets. They serve the threshold selection
 (:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold), MiCRO's calibration
-histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection).
-The result is the same set, in the same order, as the torch kernels they replace (tested side by
-side); only the time differs (``docs/benchmarks.md``, "C compaction").
+histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact
+top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection). The result is
+the same, in the same order, as the torch kernels they replace (tested side by side); only the time
+differs (``docs/benchmarks.md``, issue 11's "stream compaction in C").
 
 Why: on the CPU torch's ``nonzero`` costs ~2.5 ns per element (the threshold kernel's chunked
 ``abs``/``ge``/``nonzero`` ~1.4 ns, the exact top-k's candidate pass ~3 ns); the C loop (``kernels.c``:
