@@ -154,3 +154,11 @@ def test_switched_off_block_runs_the_torch_kernels_and_restores():
         off = threshold_indices(x, 1.5)
     assert native.enabled()
     assert torch.equal(off, threshold_indices(x, 1.5))
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_directory(monkeypatch, tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory would go")
+    monkeypatch.setenv("SPARSYNC_CACHE", str(blocker))
+    lib = build.load()  # mkdir under a file fails: built in the temporary directory instead
+    assert lib.sparsync_abi() == 2 and not (blocker / "native").exists()

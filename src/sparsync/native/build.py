@@ -79,7 +79,7 @@ def load() -> ctypes.CDLL:
     if not target.exists():
         try:
             _compile(target)
-        except PermissionError:
+        except OSError:  # the cache is not writable (permissions, a read-only file system)
             target = library_path(Path(tempfile.gettempdir()) / f"sparsync-native-{os.getuid()}")
             if not target.exists():
                 _compile(target)
