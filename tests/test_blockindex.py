@@ -4,13 +4,22 @@ import pytest
 import torch
 
 import sparsync as ss
+from sparsync import native
 from sparsync.blockindex import block16_bytes, block16_pays, block_count, decode_block16, encode_block16
 from sparsync.reducers.micro import MicroReducer
 
 
+@pytest.fixture(params=["default", "torch"])
+def kernel(request, monkeypatch):
+    """"default": the C decoder when it builds here; "torch": repeat_interleave and an add."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "_state", {"lib": None, "why": "off for this test"})
+    return request.param
+
+
 @pytest.mark.parametrize("length,count,start", [(200_000, 3000, 0), (200_000, 5, 12345), (65_536, 65_536, 7),
                                                 (65_537, 2, 0), (1_000_000, 40_000, 3_000_000_000), (10, 0, 4)])
-def test_roundtrip_exact(length, count, start):
+def test_roundtrip_exact(length, count, start, kernel):
     g = torch.Generator().manual_seed(length + count)
     rel = torch.randperm(length, generator=g)[:count].sort().values
     if count >= 2:  # the range's ends, so the largest offsets and the last block are used
@@ -24,11 +33,21 @@ def test_roundtrip_exact(length, count, start):
     assert got.dtype == torch.int64 and torch.equal(got, idx)
 
 
-def test_gaps_longer_than_a_block_and_empty_blocks():
+def test_gaps_longer_than_a_block_and_empty_blocks(kernel):
     idx = torch.tensor([3, 70_000, 70_001, 400_000, 589_823])  # blocks 0, 1, 1, 6, 8; blocks 2-5 and 7 empty
     nb = block_count(589_824)
     assert nb == 9
     assert torch.equal(decode_block16(encode_block16(idx, 0, nb), 0, nb, 5), idx)
+
+
+@pytest.mark.skipif(not native.enabled(), reason="C kernels not built")
+def test_c_decoder_refuses_counts_that_do_not_add_up():
+    idx = torch.tensor([3, 70_000, 70_001])
+    msg = encode_block16(idx, 0, 2)
+    with pytest.raises(ValueError, match="add up to 3, expected 2"):
+        decode_block16(msg, 0, 2, 2)
+    with pytest.raises(ValueError, match="shorter than"):
+        decode_block16(msg[:5], 0, 2, 3)
 
 
 def test_block_count_and_the_break_even():

@@ -3,7 +3,8 @@
 What: :func:`compact_abs_ge` returns the sorted indices ``i`` with ``|x[i]| >= t`` of a 1-D fp32
 CPU tensor; :func:`compact_rows_abs_ge` the flat indices ``r * cols + c`` with ``|X[r, c]| >= t[r]``
 of a ``[rows, cols]`` matrix (one threshold per row); :func:`bucket_count` the bucket of every value
-among sorted edges and the histogram of the buckets. They serve the threshold selection
+among sorted edges and the histogram of the buckets; :func:`decode_block16` MiCRO's 16-bit index
+messages (:mod:`sparsync.blockindex`). They serve the threshold selection
 (:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold), MiCRO's calibration
 histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact
 top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection). The result is
@@ -38,7 +39,8 @@ import torch
 
 from .build import BuildError, load
 
-__all__ = ["bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "enabled", "info", "switched_off", "usable"]
+__all__ = ["ABI", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
+           "switched_off", "usable"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -48,9 +50,15 @@ _state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str: the reason when No
 _local = threading.local()
 
 
+#: the interface version this module binds (``SPARSYNC_ABI`` in kernels.c)
+ABI = 3
+
+
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.sparsync_abi.restype = ctypes.c_int
+    if lib.sparsync_abi() != ABI:
+        raise BuildError(f"the C kernels have interface {lib.sparsync_abi()}, this module needs {ABI}")
     lib.sparsync_vectorised.restype = ctypes.c_int
     lib.sparsync_compact_abs_ge_f32.restype = i64
     lib.sparsync_compact_abs_ge_f32.argtypes = [ptr, i64, ctypes.c_float, i64, ptr, i64]
@@ -58,6 +66,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sparsync_compact_rows_abs_ge_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64]
     lib.sparsync_bucket_count_f32.restype = None
     lib.sparsync_bucket_count_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
+    lib.sparsync_decode_block16.restype = i64
+    lib.sparsync_decode_block16.argtypes = [ptr, i64, i64, i64, ptr]
     return lib
 
 
@@ -163,3 +173,18 @@ def bucket_count(v: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, to
     _library().sparsync_bucket_count_f32(v.data_ptr(), v.numel(), e.data_ptr(), e.numel(),
                                          bucket.data_ptr(), hist.data_ptr())
     return hist, bucket
+
+
+def decode_block16(msg: torch.Tensor, start: int, nb: int, count: int) -> torch.Tensor:
+    """:func:`sparsync.blockindex.decode_block16` in one C loop: the ``count`` int64 indices of an
+    int16 message (``nb`` int32 block counts, then the offsets); a message whose counts do not add
+    up to ``count`` is refused."""
+    if not (enabled() and msg.device.type == "cpu" and msg.dtype == torch.int16 and msg.is_contiguous()):
+        raise ValueError("decode_block16 needs a contiguous int16 CPU tensor and the C kernels on")
+    if msg.numel() < 2 * nb + count:
+        raise ValueError(f"block16 message of {msg.numel()} words is shorter than its {nb} counts and {count} indices")
+    out = torch.empty(count, dtype=torch.int64)
+    total = _library().sparsync_decode_block16(msg.data_ptr(), int(nb), int(start), int(count), out.data_ptr())
+    if total != count:
+        raise ValueError(f"block16 message: its block counts add up to {total}, expected {count} indices")
+    return out

@@ -12,8 +12,9 @@
  */
 #include <stdint.h>
 #include <math.h>
+#include <string.h>
 
-#define SPARSYNC_ABI 2
+#define SPARSYNC_ABI 3
 
 int sparsync_abi(void) { return SPARSYNC_ABI; }
 
@@ -123,4 +124,22 @@ void sparsync_bucket_count_f32(const float *v, int64_t n, const float *edges, in
         bucket[i] = b;
         hist[b]++;
     }
+}
+
+/* MiCRO's 16-bit block offsets (sparsync/blockindex.py): msg = nb int32 counts (as 2 nb int16
+ * words, read with memcpy: the words need not be 4-byte aligned), then one int16 offset per index,
+ * stored as (idx - start) mod 65536 - 32768. Writes out[0 .. count) (block by block, so the
+ * indices come out sorted) and returns the sum of the counts; the caller checks it equals count
+ * and never reads past msg[2 nb + count) (decoding stops at count). */
+int64_t sparsync_decode_block16(const int16_t *msg, int64_t nb, int64_t start, int64_t count, int64_t *out) {
+    int64_t total = 0, i = 0;
+    const int16_t *off = msg + 2 * nb;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t c;
+        memcpy(&c, msg + 2 * b, sizeof c);
+        total += c;
+        int64_t base = start + b * 65536 + 32768;
+        for (int32_t j = 0; j < c && i < count; j++, i++) out[i] = base + off[i];
+    }
+    return total;
 }

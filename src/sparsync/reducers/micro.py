@@ -408,7 +408,9 @@ class MicroReducer(BufferedAccumulator, Reducer):
             starts = [self._bounds[owned_partition(r, step, P)][0] for r in range(P)]
             msg = encode_block16(idx, starts[comm.rank], nb).view(torch.uint8)  # gloo has no int16
             got = gather_padded(msg, [2 * (2 * nb + c) for c in known], self._allgather_fixed)
-            return [decode_block16(m.view(torch.int16), s, nb, c) for m, s, c in zip(got, starts, known)]
+            # its own list it has already (decode(encode(idx)) == idx, tested)
+            return [idx.to(torch.int64) if r == comm.rank else decode_block16(m.view(torch.int16), s, nb, c)
+                    for r, (m, s, c) in enumerate(zip(got, starts, known))]
 
     def _index_blocks(self) -> int | None:
         """Blocks per partition for ``indices="block16"`` (None: plain indices)."""
