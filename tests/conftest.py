@@ -22,3 +22,16 @@ def needs_netns():
     reason = _netns_reason()
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(params=["default", "torch"])
+def kernel(request):
+    """Run a test twice: "default" with the C kernels of :mod:`sparsync.native` when they build here,
+    "torch" with them switched off (the torch kernels they replace)."""
+    from sparsync import native
+
+    if request.param == "torch":
+        with native.switched_off():
+            yield request.param
+    else:
+        yield request.param

@@ -9,14 +9,6 @@ from sparsync.blockindex import block16_bytes, block16_pays, block_count, decode
 from sparsync.reducers.micro import MicroReducer
 
 
-@pytest.fixture(params=["default", "torch"])
-def kernel(request, monkeypatch):
-    """"default": the C decoder when it builds here; "torch": repeat_interleave and an add."""
-    if request.param == "torch":
-        monkeypatch.setattr(native, "_state", {"lib": None, "why": "off for this test"})
-    return request.param
-
-
 @pytest.mark.parametrize("length,count,start", [(200_000, 3000, 0), (200_000, 5, 12345), (65_536, 65_536, 7),
                                                 (65_537, 2, 0), (1_000_000, 40_000, 3_000_000_000), (10, 0, 4)])
 def test_roundtrip_exact(length, count, start, kernel):

@@ -23,13 +23,15 @@ def torch_set(x: torch.Tensor, k: int) -> torch.Tensor:
 def paths(request, monkeypatch):
     """"default": the C compaction when it builds here; "torch": the torch candidate pass;
     "small_tiles" (torch) sends small inputs through the sampled path, several tiles per row, odd tiles."""
-    if request.param != "default":
-        monkeypatch.setattr(native, "_state", {"lib": None, "why": "off for this test"})
     if request.param == "small_tiles":
         monkeypatch.setattr(exact, "CHUNK", 1001)
         monkeypatch.setattr(exact, "_MIN_ROW", 16)
         monkeypatch.setattr(exact, "_SAMPLE", 257)
-    return request.param
+    if request.param == "default":
+        yield request.param
+    else:
+        with native.switched_off():
+            yield request.param
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 63, 1000, 40_001, 100_003])

@@ -92,7 +92,7 @@ def _subgroup_exercise(comm):
         comm.barrier()
         return None
     sub = TorchComm(group)
-    assert sub._process_group() is group  # gloo does not coalesce: messages go by the group's send / recv
+    assert sub._direct_pg is group  # gloo does not coalesce: messages go by the group's send / recv
     out = _exercise(sub)
     r, P = sub.rank, sub.world_size
     z = torch.tensor([complex(r, -r), complex(2 * r, 1)], dtype=torch.complex64)

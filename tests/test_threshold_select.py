@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from sparsync import native
 from sparsync.select.threshold import (
     ThresholdController,
     Workspace,
@@ -26,14 +25,6 @@ from sparsync.select.threshold import (
 
 def naive(x, d):
     return torch.nonzero(x.abs() >= d).squeeze(1)
-
-
-@pytest.fixture(params=["default", "torch"])
-def kernel(request, monkeypatch):
-    """"default": the C compaction when it builds here; "torch": the chunked torch kernel."""
-    if request.param == "torch":
-        monkeypatch.setattr(native, "_state", {"lib": None, "why": "off for this test"})
-    return request.param
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 9, 1000, 4097])

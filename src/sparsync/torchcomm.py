@@ -48,23 +48,22 @@ class TorchComm(Comm):
             if device == "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        self._direct_pg = self._process_group()
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def _process_group(self):
         """The group object whose ``send`` / ``recv`` :meth:`_post` calls directly, or None where
-        ``batch_isend_irecv`` must be used (a backend that coalesces, e.g. NCCL; resolved once)."""
-        pg = getattr(self, "_direct_pg", False)
-        if pg is False:
-            try:  # torch internals: anything unexpected keeps the public batch_isend_irecv
-                pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-                if type(pg) is not dist.ProcessGroup or pg._get_backend(self.device).supports_coalescing:
-                    pg = None
-            except (AttributeError, RuntimeError):
-                pg = None
-            self._direct_pg = pg
-        return pg
+        ``batch_isend_irecv`` must be used (a backend that coalesces, e.g. NCCL); resolved once, in
+        ``__init__``."""
+        try:  # torch internals: anything unexpected keeps the public batch_isend_irecv
+            pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+            if type(pg) is not dist.ProcessGroup or pg._get_backend(self.device).supports_coalescing:
+                return None
+            return pg
+        except (AttributeError, RuntimeError):
+            return None
 
     def _post(self, sends, recvs) -> list[Handle]:
         """Post every send, then every receive, at once. Where the backend does not coalesce
@@ -74,7 +73,7 @@ class TorchComm(Comm):
         own ``send`` / ``recv`` post the same operations, in the same order, directly (group ranks,
         tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``."""
         bufs = [torch.empty(n, dtype=dt, device=self.device) for _, n, dt in recvs]
-        pg = self._process_group()
+        pg = self._direct_pg
         if pg is not None:
             send_works = [pg.send([_real(t)], d, 0) for d, t in sends]
             recv_works = [pg.recv([_real(b)], s, 0) for (s, _, _), b in zip(recvs, bufs)]

@@ -59,7 +59,10 @@ def _median_time(fn, repeat: int, sync) -> float:
     return statistics.median(ts)
 
 
-def _torch_pass(native, fn):
+def _torch_pass(fn):
+    """``fn()`` with the C kernels switched off: the torch form of the same kernel, for side-by-side timings."""
+    from .. import native
+
     with native.switched_off():
         return fn()
 
@@ -74,8 +77,6 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
     ``threshold`` is the kernel as it runs (its C pass when :mod:`sparsync.native` is on),
     ``threshold_torch`` the same kernel with the C pass switched off (the chunked torch form).
     """
-    from .. import native
-
     g = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(int(numel), generator=g).to(device)
     k = max(1, round(density * numel))
@@ -88,7 +89,7 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
         "topk": lambda: torch.topk(x.abs(), k, sorted=False),
         "threshold_naive": lambda: torch.nonzero(x.abs() >= delta),
         "threshold": lambda: threshold_indices(x, delta, workspace=ws),
-        "threshold_torch": lambda: _torch_pass(native, lambda: threshold_indices(x, delta, workspace=ws)),
+        "threshold_torch": lambda: _torch_pass(lambda: threshold_indices(x, delta, workspace=ws)),
         "micro_partition": lambda: threshold_indices(x[s:e], delta, workspace=ws, offset=s),
     }
     out = []
@@ -112,7 +113,6 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
     uses it (``|x|``, then the top-k indices sorted). Returns the medians, the ratio of
     ``torch.topk`` to the kernel, and whether all index sets are equal.
     """
-    from .. import native
     from ..select.exact import topk_indices
     from .patterns import heavy_tail_grad
 
@@ -120,13 +120,9 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
     k = max(1, round(density * numel))
     sync = (lambda: torch.cuda.synchronize()) if torch.device(device).type == "cuda" else (lambda: None)
     scratch: dict = {}
-
-    def torch_pass():
-        with native.switched_off():
-            return topk_indices(x, k, scratch)
-
     fns = {"torch.topk": lambda: torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values,
-           "exact": lambda: topk_indices(x, k, scratch), "exact_torch": torch_pass}
+           "exact": lambda: topk_indices(x, k, scratch),
+           "exact_torch": lambda: _torch_pass(lambda: topk_indices(x, k, scratch))}
     first = {name: fn() for name, fn in fns.items()}
     ts: dict = {name: [] for name in fns}
     for _ in range(repeat):
@@ -139,7 +135,7 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
     med = {name: statistics.median(v) for name, v in ts.items()}
     sets = list(first.values())
     return {"numel": int(numel), "density": density, "k": k, "topk_s": med["torch.topk"], "exact_s": med["exact"],
-            "exact_torch_s": med["exact_torch"], "native": native.enabled(),
+            "exact_torch_s": med["exact_torch"],
             "speedup": med["torch.topk"] / med["exact"], "same_set": all(torch.equal(sets[0], s) for s in sets[1:])}
 
 

@@ -203,9 +203,10 @@ def _tiles(m: int, bs: int, chunk: int):
 def _candidates(X: torch.Tensor, t: torch.Tensor, scratch: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted flat indices with ``|X[r, c]| >= t[r]`` and their magnitudes (step 2; one read of ``X``).
 
-    Per tile, into cache-resident workspaces, then ``nonzero`` over the flags viewed as int64 words
-    (several flags per word: a fraction of the work) and a second ``nonzero`` inside the few words
-    that hold one:
+    Contiguous fp32 on the CPU: one C pass (:func:`sparsync.native.compact_rows_abs_ge`), then the
+    magnitudes of the few candidates. Otherwise per tile, into cache-resident workspaces, then
+    ``nonzero`` over the flags viewed as int64 words (several flags per word: a fraction of the
+    work) and a second ``nonzero`` inside the few words that hold one:
 
     * one row, fp32/fp64: ``hardshrink(x, t')`` with ``t'`` the float just below ``t`` (one fused
       pass: ``x`` where ``|x| > t'``, i.e. ``|x| >= t``, else ``+0``); a word is two fp32 flags;
