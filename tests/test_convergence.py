@@ -26,13 +26,14 @@ def _step(pol, r, key, g, t, target):
     return fed, out
 
 
-def _conservation(comm, name, masking, steps=5, n=2048):
-    """Per step: the reducer's identity on the velocity, and the velocity update rule, exactly."""
+def _conservation(comm, name, masking, steps=5, n=2048, nesterov=False):
+    """Per step: the reducer's identity on what it was fed (the velocity, or Nesterov's ``g + m u``),
+    and the velocity update rule, exactly."""
     torch.manual_seed(1000 + comm.rank)
     r = ss.make_reducer(name, comm, 0.05, **({"residuals": "global"} if name == "gtopk" else {}))
     if not r.conserving:
         return "skip"
-    pol = GradientPolicy(momentum=0.5, masking=masking, warmup_steps=3, warmup_start=0.5)
+    pol = GradientPolicy(momentum=0.5, masking=masking, warmup_steps=3, warmup_start=0.5, nesterov=nesterov)
     zeros = torch.zeros(n)
     total_fed, total_out = torch.zeros(n), torch.zeros(n)
     for t in range(steps):
@@ -41,9 +42,10 @@ def _conservation(comm, name, masking, steps=5, n=2048):
         e_before = zeros if r.residual is None else r.residual.clone()
         fed, out = _step(pol, r, 0, g.clone(), t, 0.05)
         e_after = zeros if r.residual is None else r.residual
-        assert torch.equal(fed, 0.5 * u_before + g)  # momentum correction: u' = m u + g
+        u_new = 0.5 * u_before + g  # momentum correction: u' = m u + g
+        assert torch.equal(fed, g + 0.5 * u_new if nesterov else u_new)
         assert torch.equal(comm.allreduce(fed + e_before), out + comm.allreduce(e_after))
-        expect_u = fed * (e_after != 0) if masking else fed
+        expect_u = u_new * (e_after != 0) if masking else u_new
         assert torch.equal(pol.velocity[0], expect_u)
         total_fed += fed
         total_out += out
@@ -52,27 +54,30 @@ def _conservation(comm, name, masking, steps=5, n=2048):
     return "ok"
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("masking", [False, True])
 @pytest.mark.parametrize("P", [2, 4])
-def test_momentum_correction_conserving_every_reducer(P, masking):
+def test_momentum_correction_conserving_every_reducer(P, masking, nesterov):
     checked = []
     for name in sorted(load_all()):
-        res = ss.run_local(_conservation, P, name, masking)
+        res = ss.run_local(_conservation, P, name, masking, nesterov=nesterov)
         if res[0] == "ok":
             checked.append(name)
     assert {"dense", "micro", "topka", "cltk", "spardl"} <= set(checked)
 
 
-def test_dense_momentum_correction_is_momentum_sgd():
-    """density 1, no masking: SGD on the averaged corrected velocity == torch momentum SGD."""
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dense_momentum_correction_is_momentum_sgd(nesterov):
+    """density 1, no masking: SGD on the averaged corrected velocity == torch momentum SGD (with
+    ``nesterov``: == torch's Nesterov SGD, whose update is ``g + m buf``)."""
 
     def body(comm):
         torch.manual_seed(7 + comm.rank)
         r = ss.make_reducer("dense", comm, 1.0)
-        pol = GradientPolicy(momentum=0.5, masking=False)
+        pol = GradientPolicy(momentum=0.5, masking=False, nesterov=nesterov)
         w_pol = torch.zeros(64)
         w_ref = torch.zeros(64, requires_grad=True)
-        opt = torch.optim.SGD([w_ref], lr=0.25, momentum=0.5)
+        opt = torch.optim.SGD([w_ref], lr=0.25, momentum=0.5, nesterov=nesterov)
         for t in range(6):
             g = torch.randint(-8, 9, (64,)).float()
             _, out = _step(pol, r, 0, g.clone(), t, 1.0)
@@ -120,9 +125,18 @@ def test_bad_options_named():
     with pytest.raises(ValueError, match="unknown convergence option.*momentun"):
         policy_from_options({"momentun": 0.9})
     assert policy_from_options({}) is None
+    with pytest.raises(ValueError, match="nesterov=True needs momentum"):
+        GradientPolicy(nesterov=True)
+    with pytest.raises(ValueError, match="nesterov must be True or False"):
+        GradientPolicy(momentum=0.9, nesterov="yes")
     pol = GradientPolicy(momentum=0.9)
     with pytest.raises(ValueError, match="different options.*momentum"):
         pol.load_state_dict(GradientPolicy(momentum=0.5).state_dict())
+    with pytest.raises(ValueError, match="different options.*nesterov"):
+        pol.load_state_dict(GradientPolicy(momentum=0.9, nesterov=True).state_dict())
+    old = GradientPolicy(momentum=0.9).state_dict()  # saved before the option existed
+    del old["options"]["nesterov"]
+    pol.load_state_dict(old)
 
 
 # ---------------------------------------------------------------------------- gloo, a real model
@@ -161,11 +175,13 @@ def _train(comm, reducer, steps, split, opts):
 ALL_ON = {"momentum": 0.9, "masking": True, "warmup_steps": 4, "warmup_start": 0.5, "clip": 0.5}
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("reducer", ["micro", "topka"])
-def test_gloo_bitwise_across_ranks_and_resume(P, reducer):
-    whole = ss.run_local(_train, P, reducer, 10, -1, ALL_ON, backend="gloo", timeout=120)
-    resumed = ss.run_local(_train, P, reducer, 10, 5, ALL_ON, backend="gloo", timeout=120)
+def test_gloo_bitwise_across_ranks_and_resume(P, reducer, nesterov):
+    opts = {**ALL_ON, "nesterov": nesterov}
+    whole = ss.run_local(_train, P, reducer, 10, -1, opts, backend="gloo", timeout=120)
+    resumed = ss.run_local(_train, P, reducer, 10, 5, opts, backend="gloo", timeout=120)
     assert all(torch.equal(w, whole[0]) for w in whole + resumed)
     plain = ss.run_local(_train, P, reducer, 10, -1, {}, backend="gloo", timeout=120)
     assert not torch.equal(plain[0], whole[0])  # the options did change the trajectory

@@ -74,8 +74,24 @@ def test_convergence_options_refused_where_they_do_not_apply(tmp_path):
         _cfg(tmp_path, "x", 2, "loopback", reducer="nocomm")
     with pytest.raises(ValueError, match="does not apply to --optimizer adam"):
         _cfg(tmp_path, "x", 2, "loopback", optimizer="adam")
-    with pytest.raises(ValueError, match="unknown convergence option"):
-        _cfg(tmp_path, "x", 2, "loopback", convergence={"nesterov": True})
+    with pytest.raises(ValueError, match="unknown convergence option.*nesterv"):
+        _cfg(tmp_path, "x", 2, "loopback", convergence={"nesterv": True})
+
+
+def test_momentum_correction_takes_the_optimizers_kind_of_momentum(tmp_path):
+    """``--optimizer nesterov``: momentum correction is Nesterov's unless told otherwise; the
+    optimizer itself becomes plain SGD either way (the momentum lives in the policy)."""
+    from sparsync.train.loop import _make_optimizer, policy_options
+
+    cfg = _cfg(tmp_path, "x", 2, "loopback", optimizer="nesterov")
+    assert policy_options(cfg) == {**ALL_ON, "nesterov": True}
+    assert _make_optimizer(cfg, torch.nn.Linear(2, 2)).defaults["momentum"] == 0
+    cfg = _cfg(tmp_path, "x", 2, "loopback", optimizer="nesterov", convergence={**ALL_ON, "nesterov": False})
+    assert policy_options(cfg)["nesterov"] is False
+    assert "nesterov" not in policy_options(_cfg(tmp_path, "x", 2, "loopback", optimizer="momentum"))
+    dense = _cfg(tmp_path, "x", 2, "loopback", optimizer="nesterov", reducer="dense", convergence={})
+    opt = _make_optimizer(dense, torch.nn.Linear(2, 2))
+    assert opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.9
 
 
 @pytest.mark.gloo

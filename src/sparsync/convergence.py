@@ -15,6 +15,14 @@ extra byte. They are implemented here, per merge group, around ``reducer.reduce`
   accumulates the velocity ``u`` instead of the raw gradient (``v = v + u``, its residual). The
   optimizer must then be plain SGD with the same learning rate (``sparsync train`` does that
   switch itself). With ``density = 1`` and no masking this is exactly momentum SGD.
+* **Nesterov momentum correction** (DGC §3.2, the paragraph after eq. 7, which extends the
+  correction to Nesterov momentum; Sutskever et al., ICML 2013): ``u = m u + g`` as above, and the
+  reducer accumulates the look-ahead update ``n = g + m u`` instead of ``u`` (``v = v + n``). With
+  ``density = 1`` and no masking this is exactly ``torch.optim.SGD(momentum=m, nesterov=True)``,
+  whose update is ``g + m buf`` with ``buf = m buf + g``. One more pass over the group than plain
+  momentum correction (``n`` is written into a buffer kept per group, never allocated per step).
+  Measured on the digits MLP (4 workers, evaluation every step): it reaches 0.95 in fewer steps
+  for dense and sparse training alike (docs/benchmarks.md, issue 10).
 * **Momentum-factor masking** (DGC §3.3): the velocity of the entries that were sent is cleared,
   ``u = u ⊙ ¬mask``, so stale momentum does not keep pushing a coordinate whose accumulated update was
   just applied. "Sent" = the reducer's residual is exactly zero there after the reduce (what every
@@ -35,11 +43,12 @@ Conservation, extended to the velocity (the identity of :mod:`sparsync.reducers.
 the velocity fed to the reducer)::
 
     u'_r = m u_r + g_r                                   (momentum correction)
-    sum_r (u'_r + residual_before_r) == out + sum_r residual_after_r      (the reducer's identity)
+    f_r  = u'_r,  or  g_r + m u'_r  with nesterov        (what the reducer is fed)
+    sum_r (f_r + residual_before_r) == out + sum_r residual_after_r      (the reducer's identity)
     u_r(next) = u'_r ⊙ [residual_after_r != 0]   with masking,   u'_r   without
 
 so, without masking, nothing of any rank's velocity is lost: over T steps the sum of all outputs
-plus the final residuals equals the sum over steps and ranks of the velocities (tested exactly in
+plus the final residuals equals the sum over steps and ranks of what was fed (tested exactly in
 ``tests/test_convergence.py``). With masking, exactly the masked velocity entries are dropped.
 
 Every decision is a function of the step number and of rank-local data only, so parameters stay
@@ -59,7 +68,7 @@ import torch
 __all__ = ["GradientPolicy", "policy_from_options", "POLICY_OPTIONS"]
 
 #: option names accepted by :func:`policy_from_options` (``sparsync train --convergence``)
-POLICY_OPTIONS = ("momentum", "masking", "warmup_steps", "warmup_start", "clip")
+POLICY_OPTIONS = ("momentum", "masking", "warmup_steps", "warmup_start", "clip", "nesterov")
 
 
 class GradientPolicy:
@@ -73,10 +82,11 @@ class GradientPolicy:
         warmup_start: density ``s`` at step 0 of the warm-up (must be in (0, 1]).
         clip: local gradient-norm clipping threshold before accumulation (None: off); the per-rank
             threshold is ``clip / sqrt(P)``.
+        nesterov: Nesterov momentum correction (the reducer is fed ``g + m u``; needs ``momentum > 0``).
     """
 
     def __init__(self, momentum: float = 0.0, masking: bool | None = None, warmup_steps: int = 0,
-                 warmup_start: float = 0.25, clip: float | None = None):
+                 warmup_start: float = 0.25, clip: float | None = None, nesterov: bool = False):
         momentum = float(momentum)
         if not (0.0 <= momentum < 1.0):
             raise ValueError(f"GradientPolicy: momentum must be in [0, 1), got {momentum}")
@@ -93,6 +103,12 @@ class GradientPolicy:
             masking = momentum > 0
         if masking and momentum == 0:
             raise ValueError("GradientPolicy: masking=True needs momentum > 0 (it masks the velocity)")
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"GradientPolicy: nesterov must be True or False, got {nesterov!r}")
+        if nesterov and momentum == 0:
+            raise ValueError("GradientPolicy: nesterov=True needs momentum > 0 (it is a form of momentum correction)")
+        self.nesterov = nesterov
+        self._lookahead: dict[int, torch.Tensor] = {}  # nesterov: per-group buffer for g + m u
         self.momentum = momentum
         self.masking = bool(masking)
         self.warmup_steps = warmup_steps
@@ -103,7 +119,7 @@ class GradientPolicy:
     def options(self) -> dict:
         """The configuration (what ``state_dict`` checks on load)."""
         return {"momentum": self.momentum, "masking": self.masking, "warmup_steps": self.warmup_steps,
-                "warmup_start": self.warmup_start, "clip": self.clip}
+                "warmup_start": self.warmup_start, "clip": self.clip, "nesterov": self.nesterov}
 
     def __repr__(self) -> str:
         return "GradientPolicy(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
@@ -147,18 +163,32 @@ class GradientPolicy:
         elif u.device != like.device:  # loaded from a checkpoint (kept on the CPU)
             u = self.velocity[key] = u.to(like.device)
         scale = self._clip_scale(grads, reducer)
+        la = self._lookahead_buffer(key, u) if self.nesterov else None
         off = 0
         for gr, m in zip(grads, numels):
             ui = u[off:off + m]
+            ni = None if la is None else la[off:off + m]
             off += m
             if gr is None:
                 ui.mul_(self.momentum)  # m u + 0
+                if ni is not None:
+                    torch.mul(ui, self.momentum, out=ni)  # 0 + m u
                 continue
             gi = gr.reshape(-1)
             if scale is not None:
                 gi = gi * scale
             torch.add(gi, ui, alpha=self.momentum, out=ui)  # u = g + m u in one pass
-        return u
+            if ni is not None:
+                torch.add(gi, ui, alpha=self.momentum, out=ni)  # nesterov: n = g + m u (one more pass)
+        return u if la is None else la
+
+    def _lookahead_buffer(self, key: int, u: torch.Tensor) -> torch.Tensor:
+        """The group's buffer for Nesterov's ``g + m u`` (allocated once, like the velocity). The
+        reducer accumulates it into its residual during the reduce, before the next step writes it."""
+        la = self._lookahead.get(key)
+        if la is None or la.shape != u.shape or la.dtype != u.dtype or la.device != u.device:
+            la = self._lookahead[key] = torch.empty_like(u)
+        return la
 
     def _clip_scale(self, grads, reducer) -> float | None:
         """Local clipping: the factor that brings the gradients' joint norm to ``clip / sqrt(P)``
@@ -212,10 +242,11 @@ class GradientPolicy:
     def load_state_dict(self, d: dict) -> None:
         if not isinstance(d, dict) or "options" not in d or "velocity" not in d:
             raise ValueError("GradientPolicy.load_state_dict expects the dict returned by state_dict()")
-        if d["options"] != self.options():
-            diff = sorted(k for k, v in self.options().items() if d["options"].get(k) != v)
+        saved = {"nesterov": False, **d["options"]}  # states saved before the option existed
+        if saved != self.options():
+            diff = sorted(k for k, v in self.options().items() if saved.get(k) != v)
             raise ValueError(f"GradientPolicy: saved state has different options ({', '.join(diff)}: "
-                             f"saved {[d['options'].get(k) for k in diff]}, now {[self.options()[k] for k in diff]})")
+                             f"saved {[saved.get(k) for k in diff]}, now {[self.options()[k] for k in diff]})")
         self.velocity = {int(k): v.clone() for k, v in d["velocity"].items()}
 
 

@@ -83,7 +83,7 @@ def add_common(p, compare: bool = False) -> None:
     p.add_argument("--batch-size", type=WORKERS, default=None, help="per-worker batch size (default: the workload's)")
     p.add_argument("--lr", type=_float_in(0, float("inf"), "--lr"), default=None,
                    help="learning rate (default: the workload's)")
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default=None,
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam"], default=None,
                    help="(default: the workload's)")
     p.add_argument("--target-accuracy", type=_float_in(0, 1, "--target-accuracy"), default=None,
                    help="for time-to-target (default: the workload's)")
@@ -102,6 +102,9 @@ def add_common(p, compare: bool = False) -> None:
     conv.add_argument("--warmup-steps", type=int, default=None, metavar="T",
                       help="density warm-up: exponential from --warmup-start to --density over T steps")
     conv.add_argument("--warmup-start", type=float, default=None, metavar="S", help="warm-up start density (0.25)")
+    conv.add_argument("--nesterov", action=argparse_bool(), default=None,
+                      help="Nesterov momentum correction: the reducer is fed g + M u (default: on with "
+                           "--optimizer nesterov)")
     conv.add_argument("--local-clip", type=float, default=None, metavar="C",
                       help="clip each rank's gradient to norm C/sqrt(P) before accumulation")
     p.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
@@ -123,7 +126,7 @@ def argparse_bool():
 def convergence_of(args) -> dict:
     """The GradientPolicy options given by the convergence flags (empty when none)."""
     pairs = (("momentum", "momentum_correction"), ("masking", "masking"), ("warmup_steps", "warmup_steps"),
-             ("warmup_start", "warmup_start"), ("clip", "local_clip"))
+             ("warmup_start", "warmup_start"), ("clip", "local_clip"), ("nesterov", "nesterov"))
     return {k: getattr(args, a) for k, a in pairs if getattr(args, a, None) is not None}
 
 

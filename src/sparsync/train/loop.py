@@ -53,7 +53,7 @@ TORCH_DDP = ("ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4")
 #: its accuracy is rank 0's local model). Every other step time is divided by its step time.
 NOCOMM = "nocomm"
 _INIT_LOCK = threading.Lock()
-OPTIMIZERS = ("sgd", "momentum", "adam")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 
 
 class NetworkUnavailable(RuntimeError):
@@ -153,12 +153,21 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
 
 
 # ---------------------------------------------------------------------------- one rank
+def policy_options(cfg: TrainConfig) -> dict:
+    """The run's GradientPolicy options: momentum correction takes the optimizer's kind of momentum,
+    so with ``--optimizer nesterov`` it is Nesterov's unless ``nesterov`` is given explicitly."""
+    opts = dict(cfg.convergence)
+    if opts.get("momentum") and cfg.optimizer == "nesterov":
+        opts.setdefault("nesterov", True)
+    return opts
+
+
 def _make_optimizer(cfg: TrainConfig, model: nn.Module):
     params = list(model.parameters())
     if cfg.optimizer == "sgd" or cfg.convergence.get("momentum"):  # momentum correction: SGD's momentum
         return torch.optim.SGD(params, lr=cfg.lr)                  # moved into the GradientPolicy
-    if cfg.optimizer == "momentum":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
+    if cfg.optimizer in ("momentum", "nesterov"):
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov")
     return torch.optim.Adam(params, lr=cfg.lr)
 
 
@@ -188,7 +197,7 @@ def _wrap(cfg: TrainConfig, model: nn.Module, comm):
     if cfg.convergence:
         from ..convergence import policy_from_options
 
-        kw["policy"] = policy_from_options(cfg.convergence)
+        kw["policy"] = policy_from_options(policy_options(cfg))
     ddp = SparseDDP(model, comm, reducer=cfg.reducer, density=cfg.density, merge=cfg.merge,
                     reducer_options=dict(cfg.reducer_options), **kw)
     fwd = ddp if callable(ddp) else model

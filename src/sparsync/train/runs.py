@@ -78,7 +78,7 @@ class TrainConfig:
     epochs: float | None = None
     batch_size: int | None = None     # per worker
     lr: float | None = None
-    optimizer: str | None = None      # sgd | momentum | adam
+    optimizer: str | None = None      # sgd | momentum | nesterov | adam
     momentum: float = 0.9
     target_accuracy: float | None = None
     eval_every: int | None = None
