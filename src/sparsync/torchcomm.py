@@ -1,7 +1,15 @@
 """TorchComm: :class:`~sparsync.comm.Comm` over a real ``torch.distributed`` process group.
 
-Gloo on CPU today; nothing here assumes CPU: every buffer (including size headers) is allocated
-on ``self.device``, so an NCCL group with CUDA tensors works the same way.
+Every buffer (including size headers) is allocated on ``self.device``: gloo with CPU tensors, gloo
+with CUDA tensors (``TorchComm(device="cuda")``: several ranks may share one GPU), or NCCL with CUDA
+tensors (one GPU per rank: NCCL refuses two ranks on one device).
+
+Gloo and CUDA tensors (seen with torch 2.11, gloo's TCP transport): its all-reduce, all-gather,
+broadcast and barrier take CUDA tensors (they copy through the host themselves), but point-to-point
+``send`` / ``recv`` hand the device pointer to the socket (``writev``: "Bad address", and the rank
+aborts). Those (``_post``), and the flat all-gather, the all-to-all and the sparse all-reduce (not
+relied on with CUDA tensors), are *staged* here: the tensor is copied to the host, sent, and what
+arrives is copied back to ``self.device``. Same bits; the copies add a little PCIe time.
 """
 
 from __future__ import annotations
@@ -48,6 +56,10 @@ class TorchComm(Comm):
             if device == "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        #: where staged messages travel (module docstring): the host for gloo with CUDA tensors, else
+        #: ``self.device`` (nothing is copied)
+        self._stage = self.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        self.wire_device = torch.device("cpu") if self._stage else self.device
         self._direct_pg = self._process_group()
 
     def _global(self, r: int) -> int:
@@ -59,7 +71,7 @@ class TorchComm(Comm):
         ``__init__``."""
         try:  # torch internals: anything unexpected keeps the public batch_isend_irecv
             pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-            if type(pg) is not dist.ProcessGroup or pg._get_backend(self.device).supports_coalescing:
+            if type(pg) is not dist.ProcessGroup or pg._get_backend(self.wire_device).supports_coalescing:
                 return None
             return pg
         except (AttributeError, RuntimeError):
@@ -71,8 +83,11 @@ class TorchComm(Comm):
         ``isend`` / ``irecv``, whose argument handling (group lookups, rank translation, checks)
         cost ~80 us of profiled CPU per message here, 24 messages per MiCRO reduce: the process group's
         own ``send`` / ``recv`` post the same operations, in the same order, directly (group ranks,
-        tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``."""
-        bufs = [torch.empty(n, dtype=dt, device=self.device) for _, n, dt in recvs]
+        tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``. Gloo with CUDA tensors: staged
+        through the host (module docstring); a receive's ``wait`` returns it on ``self.device``."""
+        if self._stage:
+            sends = [(d, t.cpu()) for d, t in sends]
+        bufs = [torch.empty(n, dtype=dt, device=self.wire_device) for _, n, dt in recvs]
         pg = self._direct_pg
         if pg is not None:
             send_works = [pg.send([_real(t)], d, 0) for d, t in sends]
@@ -89,7 +104,7 @@ class TorchComm(Comm):
                 if i == len(recv_works) - 1:  # sends of the batch are done by the last wait at the latest
                     for w in send_works:
                         w.wait()
-                return bufs[i]
+                return bufs[i].to(self.device)
             return wait
 
         if not recvs:
@@ -138,12 +153,17 @@ class TorchComm(Comm):
             w.wait()
 
     def _allgather_into(self, t, out):
+        if self._stage:
+            host = torch.empty(out.numel(), dtype=out.dtype)
+            _allgather_single(host, t.cpu(), group=self.group)
+            out.copy_(host)
+            return
         _allgather_single(out, t, group=self.group)
 
     def _alltoall(self, flat, send_splits, recv_splits):
-        out = torch.empty(sum(recv_splits), dtype=flat.dtype, device=self.device)
-        dist.all_to_all_single(out, flat, recv_splits, send_splits, group=self.group)
-        return out
+        out = torch.empty(sum(recv_splits), dtype=flat.dtype, device=self.wire_device)
+        dist.all_to_all_single(out, flat.to(self.wire_device), recv_splits, send_splits, group=self.group)
+        return out.to(self.device)
 
     def _broadcast(self, t, src):
         out = t.clone()
@@ -151,10 +171,11 @@ class TorchComm(Comm):
         return out
 
     def _sparse_allreduce(self, indices, values, numel):
-        t = torch.sparse_coo_tensor(indices.unsqueeze(0), values, (numel,), check_invariants=False)
+        w = self.wire_device
+        t = torch.sparse_coo_tensor(indices.to(w).unsqueeze(0), values.to(w), (numel,), check_invariants=False)
         dist.all_reduce(t, group=self.group)
         t = t.coalesce()
-        return t.indices()[0], t.values()
+        return t.indices()[0].to(self.device), t.values().to(self.device)
 
     def _barrier(self):
         dist.barrier(group=self.group)
