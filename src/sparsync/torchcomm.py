@@ -4,12 +4,13 @@ Every buffer (including size headers) is allocated on ``self.device``: gloo with
 with CUDA tensors (``TorchComm(device="cuda")``: several ranks may share one GPU), or NCCL with CUDA
 tensors (one GPU per rank: NCCL refuses two ranks on one device).
 
-Gloo and CUDA tensors (seen with torch 2.11, gloo's TCP transport): its all-reduce, all-gather,
-broadcast and barrier take CUDA tensors (they copy through the host themselves), but point-to-point
+Gloo and CUDA tensors (seen with torch 2.11 on one H100, 2 and 3 ranks, ``tools/gpu_probe.py``):
+its collectives take CUDA tensors (all-reduce, all-gather, all-gather into one tensor, broadcast,
+all-to-all, sparse all-reduce, barrier: they copy through the host themselves), but point-to-point
 ``send`` / ``recv`` hand the device pointer to the socket (``writev``: "Bad address", and the rank
-aborts). Those (``_post``), and the flat all-gather, the all-to-all and the sparse all-reduce (not
-relied on with CUDA tensors), are *staged* here: the tensor is copied to the host, sent, and what
-arrives is copied back to ``self.device``. Same bits; the copies add a little PCIe time.
+aborts). :meth:`TorchComm._post` therefore *stages* them: sends are copied to the host, receives
+land in host buffers and ``wait()`` returns them on ``self.device``. Same bits; the copies add a
+little PCIe time.
 """
 
 from __future__ import annotations
@@ -56,10 +57,9 @@ class TorchComm(Comm):
             if device == "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
-        #: where staged messages travel (module docstring): the host for gloo with CUDA tensors, else
-        #: ``self.device`` (nothing is copied)
-        self._stage = self.device.type != "cpu" and dist.get_backend(group) == "gloo"
-        self.wire_device = torch.device("cpu") if self._stage else self.device
+        # where point-to-point messages travel: the host for gloo with CUDA tensors (module docstring)
+        gloo_cuda = self.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        self._wire = torch.device("cpu") if gloo_cuda else self.device
         self._direct_pg = self._process_group()
 
     def _global(self, r: int) -> int:
@@ -71,7 +71,7 @@ class TorchComm(Comm):
         ``__init__``."""
         try:  # torch internals: anything unexpected keeps the public batch_isend_irecv
             pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-            if type(pg) is not dist.ProcessGroup or pg._get_backend(self.wire_device).supports_coalescing:
+            if type(pg) is not dist.ProcessGroup or pg._get_backend(self._wire).supports_coalescing:
                 return None
             return pg
         except (AttributeError, RuntimeError):
@@ -85,9 +85,9 @@ class TorchComm(Comm):
         own ``send`` / ``recv`` post the same operations, in the same order, directly (group ranks,
         tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``. Gloo with CUDA tensors: staged
         through the host (module docstring); a receive's ``wait`` returns it on ``self.device``."""
-        if self._stage:
-            sends = [(d, t.cpu()) for d, t in sends]
-        bufs = [torch.empty(n, dtype=dt, device=self.wire_device) for _, n, dt in recvs]
+        if self._wire != self.device:
+            sends = [(d, t.to(self._wire)) for d, t in sends]
+        bufs = [torch.empty(n, dtype=dt, device=self._wire) for _, n, dt in recvs]
         pg = self._direct_pg
         if pg is not None:
             send_works = [pg.send([_real(t)], d, 0) for d, t in sends]
@@ -153,17 +153,12 @@ class TorchComm(Comm):
             w.wait()
 
     def _allgather_into(self, t, out):
-        if self._stage:
-            host = torch.empty(out.numel(), dtype=out.dtype)
-            _allgather_single(host, t.cpu(), group=self.group)
-            out.copy_(host)
-            return
         _allgather_single(out, t, group=self.group)
 
     def _alltoall(self, flat, send_splits, recv_splits):
-        out = torch.empty(sum(recv_splits), dtype=flat.dtype, device=self.wire_device)
-        dist.all_to_all_single(out, flat.to(self.wire_device), recv_splits, send_splits, group=self.group)
-        return out.to(self.device)
+        out = torch.empty(sum(recv_splits), dtype=flat.dtype, device=self.device)
+        dist.all_to_all_single(out, flat, recv_splits, send_splits, group=self.group)
+        return out
 
     def _broadcast(self, t, src):
         out = t.clone()
@@ -171,11 +166,10 @@ class TorchComm(Comm):
         return out
 
     def _sparse_allreduce(self, indices, values, numel):
-        w = self.wire_device
-        t = torch.sparse_coo_tensor(indices.to(w).unsqueeze(0), values.to(w), (numel,), check_invariants=False)
+        t = torch.sparse_coo_tensor(indices.unsqueeze(0), values, (numel,), check_invariants=False)
         dist.all_reduce(t, group=self.group)
         t = t.coalesce()
-        return t.indices()[0].to(self.device), t.values().to(self.device)
+        return t.indices()[0], t.values()
 
     def _barrier(self):
         dist.barrier(group=self.group)
