@@ -1,11 +1,11 @@
 """Probe (run by hand on a CUDA machine): which torch.distributed operations gloo carries with CUDA
-tensors (2-4 processes on one GPU), whether NCCL accepts two ranks on one GPU, whether a fork after
-``torch.cuda.is_available()`` can use CUDA. Prints one line per fact; never used by the library."""
+tensors (2 and 3 processes on one GPU, each operation in its own group), whether NCCL accepts two
+ranks on one GPU, whether a fork after ``torch.cuda.is_available()`` can use CUDA. Prints one line per fact; never used by the library.
+Usage: ``python3 tools/gpu_probe.py worlds`` and ``python3 tools/gpu_probe.py fork plain|nvml|driver``."""
 
 import os
 import sys
 import tempfile
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -18,24 +18,29 @@ def _ops(rank, P, only):
     want = float(P * (P + 1) / 2)
 
     def allreduce():
-        y = x.clone(); dist.all_reduce(y)
+        y = x.clone()
+        dist.all_reduce(y)
         return bool((y == want).all()) or y.tolist()
 
     def allgather():
-        out = [torch.empty_like(x) for _ in range(P)]; dist.all_gather(out, x)
+        out = [torch.empty_like(x) for _ in range(P)]
+        dist.all_gather(out, x)
         return all(bool((o == i + 1).all()) for i, o in enumerate(out))
 
     def allgather_into():
-        out = torch.empty(P * 8, device=dev); dist.all_gather_into_tensor(out, x)
+        out = torch.empty(P * 8, device=dev)
+        dist.all_gather_into_tensor(out, x)
         return bool((out.view(P, 8)[:, 0].cpu() == torch.arange(1, P + 1).float()).all())
 
     def broadcast():
-        y = x.clone(); dist.broadcast(y, 0)
+        y = x.clone()
+        dist.broadcast(y, 0)
         return bool((y == 1).all())
 
     def alltoall():
         inp = torch.arange(P, dtype=torch.float32, device=dev) + 10 * rank
-        out = torch.empty(P, device=dev); dist.all_to_all_single(out, inp, [1] * P, [1] * P)
+        out = torch.empty(P, device=dev)
+        dist.all_to_all_single(out, inp, [1] * P, [1] * P)
         return bool((out.cpu() == torch.arange(P).float() * 10 + rank).all()) or out.tolist()
 
     def sendrecv():

@@ -33,7 +33,8 @@ def timed(f):
 
 
 def main():
-    rows = ["| n | density | k | kernel | ms / call | GB/s read | of HBM3 peak |", "|---|---|---|---|---|---|---|"]
+    rows = ["| n | density | k | kernel | ms / call | GB/s read | of HBM3 peak |",
+            "|---|---|---|---|---|---|---|"]
     g = torch.Generator(device="cuda").manual_seed(0)
     for n in (10**7, 10**8):
         x = torch.randn(n, device="cuda", generator=g)
@@ -42,12 +43,15 @@ def main():
             delta = float(torch.topk(x.abs(), k, sorted=False).values.min())
             kt = threshold_indices(x, delta).numel()  # k, or a few more: equal magnitudes at the k-th
             assert torch.equal(topk_indices(x, k), torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values)
-            for name, f in (("sparsync exact top-k", lambda: topk_indices(x, k)),
-                            ("torch.topk(|x|)", lambda: torch.topk(x.abs(), k, sorted=False)),
-                            ("sparsync threshold", lambda: threshold_indices(x, delta))):
+            kernels = (("sparsync exact top-k", lambda x=x, k=k: topk_indices(x, k)),
+                       ("torch.topk(|x|)", lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False)),
+                       ("sparsync threshold", lambda x=x, d=delta: threshold_indices(x, d)))
+            for name, f in kernels:
                 ms = timed(f)
                 bw = 4 * n / (ms * 1e-3)
-                rows.append(f"| {n:.0e} | {density:g} | {kt if 'threshold' in name else k} | {name} | {ms:.3f} | {bw / 1e9:.0f} | {bw / PEAK:.1%} |")
+                count = kt if "threshold" in name else k
+                rows.append(f"| {n:.0e} | {density:g} | {count} | {name} | {ms:.3f} | {bw / 1e9:.0f} "
+                            f"| {bw / PEAK:.1%} |")
         del x
     text = "\n".join([f"{torch.cuda.get_device_name()}, torch {torch.__version__}", ""] + rows)
     print(text)
