@@ -1,7 +1,8 @@
 """Probe (run by hand on a CUDA machine): which torch.distributed operations gloo carries with CUDA
 tensors (2 and 3 processes on one GPU, each operation in its own group), whether NCCL accepts two
 ranks on one GPU, whether a fork after ``torch.cuda.is_available()`` can use CUDA. Prints one line
-per fact; never used by the library. Usage: ``python3 tools/gpu_probe.py worlds`` and ``python3 tools/gpu_probe.py fork plain|nvml|driver``."""
+per fact; never used by the library. Usage: ``python3 tools/gpu_probe.py worlds`` and
+``python3 tools/gpu_probe.py fork plain|nvml|driver``."""
 
 import os
 import sys
