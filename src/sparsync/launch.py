@@ -82,7 +82,11 @@ def _name_rank(exc: BaseException, rank: int, world_size: int, tb: str = "") -> 
 def run_local(fn: Callable, world_size: int, *args, backend: str = "thread", timeout: float = 120.0,
               alpha: float = 0.0, beta: float = 0.0, placement: Callable[[int], dict] | None = None,
               start_method: str | None = None, **kwargs) -> list:
-    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; return results in rank order."""
+    """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
+
+    ``backend="gloo"``: one process per rank (``start_method``: see :func:`_pick_start_method`),
+    ``comm`` a CPU :class:`~sparsync.torchcomm.TorchComm`; ranks that work on a GPU wrap the same
+    group as ``TorchComm(device="cuda")``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend == "thread":
@@ -323,10 +327,14 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
 
 
 def _pick_start_method(requested):
+    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here: a forked child cannot
+    use it then, so ``spawn``. Only torch's flag is read: ``torch.cuda.is_available()`` asks the
+    driver, after which no forked child can use CUDA either (torch refuses: "Cannot re-initialize
+    CUDA in forked subprocess") - a caller that did so and whose ranks use CUDA passes
+    ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before asking."""
     if requested:
         return requested
-    cuda_live = torch.cuda.is_available() and torch.cuda.is_initialized()
-    return "spawn" if cuda_live else "fork"
+    return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
 def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method):

@@ -32,7 +32,9 @@ the aggregate, exactly (the bitmap is summed as floats in the same buffer as the
 positive ones cannot round to zero in any float type).
 
 Everything is vectorised: encoding is one ``index_add_`` into the flattened table for all rows at
-once, querying one gather of ``r x m`` cells plus a median over the row dimension.
+once (on CUDA :func:`sparsync.sparse.add_at`'s sort-based sum instead: atomics would add colliding
+cells in a different order on every call), querying one gather of ``r x m`` cells plus a median over
+the row dimension.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .sparse import add_at
 
 __all__ = [
     "PRIME",
@@ -131,7 +135,7 @@ class CountSketch:
         if buckets.dim() != 2 or signs.shape != buckets.shape:
             raise ValueError(f"hash tables must be 2-D of equal shape, got {tuple(buckets.shape)} and "
                              f"{tuple(signs.shape)}")
-        sk = cls(buckets.shape[0], columns)
+        sk = cls(buckets.shape[0], columns, device=buckets.device)
         if int(buckets.min()) < 0 or int(buckets.max()) >= sk.columns or not bool((signs.abs() == 1).all()):
             raise ValueError(f"buckets must lie in [0, {sk.columns}) and signs in {{-1, +1}}")
         sk._hb, sk._hs, sk._table_n = buckets.to(torch.int32), signs.to(torch.int8), buckets.shape[1]
@@ -214,7 +218,10 @@ class CountSketch:
         if idx.numel():
             flat = (self.buckets(idx) + self._row_offset).flatten()
             contrib = (self.signs(idx, values.dtype) * values.to(self.device).view(1, -1)).flatten()
-            out.view(-1).index_add_(0, flat, contrib)
+            if out.is_cuda:  # index_add_'s atomics would add colliding cells in any order
+                add_at(out.view(-1), flat, contrib)
+            else:
+                out.view(-1).index_add_(0, flat, contrib)
         return out
 
     def estimates(self, table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,17 @@ def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torc
     ``scatter_add_``, which on one CPU thread has no per-call overhead of the size of ``out``
     (4 scatters of 1e5 entries into a cold 1e7-element buffer: 8.1 ms against 12.8 ms with
     ``index_add_``; docs/benchmarks.md, issue 11). ``out`` is 1-D (a view of a flat buffer);
-    ``values`` has ``out``'s dtype. Returns ``out``."""
-    return out.scatter_add_(0, index if index.dtype == torch.int64 else index.long(), values)
+    ``values`` has ``out``'s dtype. Returns ``out``.
+
+    On CUDA ``scatter_add_`` (and ``index_add_``) add a repeated index with atomics, in whatever
+    order the threads arrive: different bits from call to call and from rank to rank. There
+    ``index_put_(accumulate=True)`` runs instead, torch's sort-based kernel: a stable sort of the
+    indices, then each index's values summed in input order - deterministic, and bitwise the CPU's
+    result where ``out`` is zero at the repeated indices (every caller that repeats one)."""
+    index = index if index.dtype == torch.int64 else index.long()
+    if out.is_cuda:
+        return out.index_put_((index,), values, accumulate=True)
+    return out.scatter_add_(0, index, values)
 
 
 def set_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,16 @@
 """TorchComm: :class:`~sparsync.comm.Comm` over a real ``torch.distributed`` process group.
 
-Gloo on CPU today; nothing here assumes CPU: every buffer (including size headers) is allocated
-on ``self.device``, so an NCCL group with CUDA tensors works the same way.
+Every buffer (including size headers) is allocated on ``self.device``: gloo with CPU tensors, gloo
+with CUDA tensors (``TorchComm(device="cuda")``: several ranks may share one GPU), or NCCL with CUDA
+tensors (one GPU per rank: NCCL refuses two ranks on one device).
+
+Gloo and CUDA tensors (seen with torch 2.11 on one H100, 2 and 3 ranks, ``tools/gpu_probe.py``):
+its collectives take CUDA tensors (all-reduce, all-gather, all-gather into one tensor, broadcast,
+all-to-all, sparse all-reduce, barrier: they copy through the host themselves), but point-to-point
+``send`` / ``recv`` hand the device pointer to the socket (``writev``: "Bad address", and the rank
+aborts). :meth:`TorchComm._post` therefore *stages* them: sends are copied to the host, receives
+land in host buffers and ``wait()`` returns them on ``self.device``. Same bits; the copies add a
+little PCIe time.
 """
 
 from __future__ import annotations
@@ -48,6 +57,9 @@ class TorchComm(Comm):
             if device == "cuda":
                 device = torch.device("cuda", torch.cuda.current_device())
         super().__init__(dist.get_rank(group), dist.get_world_size(group), device)
+        # where point-to-point messages travel: the host for gloo with CUDA tensors (module docstring)
+        gloo_cuda = self.device.type != "cpu" and dist.get_backend(group) == "gloo"
+        self._wire = torch.device("cpu") if gloo_cuda else self.device
         self._direct_pg = self._process_group()
 
     def _global(self, r: int) -> int:
@@ -59,7 +71,7 @@ class TorchComm(Comm):
         ``__init__``."""
         try:  # torch internals: anything unexpected keeps the public batch_isend_irecv
             pg = self.group if self.group is not None else dist.distributed_c10d._get_default_group()
-            if type(pg) is not dist.ProcessGroup or pg._get_backend(self.device).supports_coalescing:
+            if type(pg) is not dist.ProcessGroup or pg._get_backend(self._wire).supports_coalescing:
                 return None
             return pg
         except (AttributeError, RuntimeError):
@@ -71,8 +83,11 @@ class TorchComm(Comm):
         ``isend`` / ``irecv``, whose argument handling (group lookups, rank translation, checks)
         cost ~80 us of profiled CPU per message here, 24 messages per MiCRO reduce: the process group's
         own ``send`` / ``recv`` post the same operations, in the same order, directly (group ranks,
-        tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``."""
-        bufs = [torch.empty(n, dtype=dt, device=self.device) for _, n, dt in recvs]
+        tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``. Gloo with CUDA tensors: staged
+        through the host (module docstring); a receive's ``wait`` returns it on ``self.device``."""
+        if self._wire != self.device:
+            sends = [(d, t.to(self._wire)) for d, t in sends]
+        bufs = [torch.empty(n, dtype=dt, device=self._wire) for _, n, dt in recvs]
         pg = self._direct_pg
         if pg is not None:
             send_works = [pg.send([_real(t)], d, 0) for d, t in sends]
@@ -89,7 +104,7 @@ class TorchComm(Comm):
                 if i == len(recv_works) - 1:  # sends of the batch are done by the last wait at the latest
                     for w in send_works:
                         w.wait()
-                return bufs[i]
+                return bufs[i].to(self.device)
             return wait
 
         if not recvs:

@@ -466,7 +466,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
         zero), the widest window around the current centre.
         """
         with self.timed("comm"), self.timed("comm_calibrate"), self.comm.phase(self.name + ".window"):
-            ests = torch.cat(self._allgather_fixed(torch.tensor([estimate], dtype=torch.float64))).tolist()
+            mine = torch.tensor([estimate], dtype=torch.float64, device=self.comm.device)
+            ests = torch.cat(self._allgather_fixed(mine)).tolist()
         usable = [e for e in ests if e > 0.0 and math.isfinite(e)]  # 0: an all-zero sample
         if not usable:
             self.spread_now = self.max_spread

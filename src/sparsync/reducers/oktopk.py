@@ -175,12 +175,12 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         from_top = torch.cumsum(rows.sum(0).flip(0), 0)  # from_top[i]: count in the top i + 1 bins
         if int(from_top[-1]) < k:
             return 0.0, rows.sum(1).tolist()  # fewer than k entries in all regions: keep them all
-        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype)))
+        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype, device=from_top.device)))
         j1 = _TH_BINS - 1 - i
         sub = torch.bitwise_and(torch.bitwise_right_shift(keys[hi == j1], 11), _TH_BINS - 1)
         rows2 = self._gather_rows(torch.bincount(sub, minlength=_TH_BINS))
         from_top2 = torch.cumsum(rows2.sum(0).flip(0), 0) + (int(from_top[i - 1]) if i else 0)
-        i2 = int(torch.searchsorted(from_top2, torch.tensor([k], dtype=from_top2.dtype)))
+        i2 = int(torch.searchsorted(from_top2, torch.tensor([k], dtype=from_top2.dtype, device=from_top2.device)))
         j2 = _TH_BINS - 1 - min(i2, _TH_BINS - 1)
         counts = rows[:, j1 + 1:].sum(1) + rows2[:, j2:].sum(1)  # per rank: bins above j1, sub-bins >= j2
         bits = torch.tensor([(j1 << 21) | (j2 << 11)], dtype=torch.int32)
@@ -197,7 +197,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         b = torch.bitwise_right_shift(keys - lo, _WIN_SHIFT).clamp_(-1, _WIN_BINS).add_(1)  # 0: below, W + 1: above
         rows = self._gather_rows(torch.bincount(b, minlength=_WIN_BINS + 2).to(torch.int32))
         from_top = torch.cumsum(rows.sum(0, dtype=torch.int64).flip(0), 0)  # from_top[i]: top i + 1 bins
-        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype)))
+        i = int(torch.searchsorted(from_top, torch.tensor([k], dtype=from_top.dtype, device=from_top.device)))
         if not 1 <= i <= _WIN_BINS:
             return None  # the k-th magnitude is above the window, below it, or there are fewer than k
         j = _WIN_BINS + 1 - i  # its bin, counting the below-bin as 0

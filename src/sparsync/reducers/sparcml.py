@@ -27,6 +27,8 @@ Cost: that of the chosen collective for this rank's ``k`` (see :meth:`predicted_
 
 from __future__ import annotations
 
+import warnings
+
 from ..collectives.registry import COSTS, load_all
 from ..select.approx import approx_topk, approx_topk_at_most, bucketed_sample, bucketed_topk, make_generator
 from ..select.topk import topk_abs
@@ -101,11 +103,22 @@ class SparCMLReducer(Reducer):
         return out
 
     def _extra_state(self) -> dict:
-        return {"generator": self.generator.get_state()}
+        return {"generator": self.generator.get_state(), "generator_device": self.generator.device.type}
 
     def _load_extra_state(self, d: dict) -> None:
-        if "generator" in d:
+        """The generator's state only fits a generator of the device type that saved it (CPU
+        Mersenne twister, CUDA Philox): a state saved on the other type is not loaded. The exact
+        selections (``topk``, ``bucketed_topk``) never draw from it; a randomised one continues with
+        this rank's freshly seeded stream, with a warning (its draws cannot resume bitwise there)."""
+        if "generator" not in d:
+            return
+        saved = d.get("generator_device", "cpu")
+        if saved == self.generator.device.type:
             self.generator.set_state(d["generator"])
+        elif self.selection not in ("topk", "bucketed_topk"):
+            warnings.warn(f"sparcml: the {self.selection!r} selection's random stream was saved on {saved} "
+                          f"and cannot continue on {self.generator.device.type}; it restarts from its seed "
+                          "(not a bitwise resume)", RuntimeWarning, stacklevel=3)
 
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, algorithm="auto", pattern="random", **_):
