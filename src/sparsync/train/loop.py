@@ -93,6 +93,8 @@ def validate(cfg: TrainConfig):
                              "it does not apply to --optimizer adam")
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
+    if cfg.convergence:  # what the run will use, as its label and config.json say
+        cfg.convergence = policy_options(cfg)
     if cfg.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
     if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
