@@ -106,3 +106,39 @@ def test_floor_and_torch_powersgd_rows_run(tmp_path):
         rows = [json.loads(x) for x in (tmp_path / f"psgd{rank}" / "metrics.jsonl").read_text().splitlines()]
         dense_bytes = 2 * (2 - 1) * s["numel"] * 4 // 2
         assert 0 < rows[-1]["bytes_sent"] < dense_bytes / 8  # compressed (ring formula on P and Q)
+
+
+def _fold_params(comm, nesterov, reuse, steps=5):
+    """SparseDDP + momentum correction, micro: with ``reuse_buffers`` the policy adds its output into
+    the reducer's residual in its own pass (``fold_into``); without, the reducer adds it."""
+    torch.manual_seed(comm.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 5))
+    pol = ss.GradientPolicy(momentum=0.9, masking=False, nesterov=nesterov, warmup_steps=2, warmup_start=0.3)
+    ddp = ss.SparseDDP(model, comm, reducer="micro", density=0.05, merge="single", policy=pol,
+                       reducer_options={"reuse_buffers": reuse})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(70 + comm.rank)
+    calls, fold = [], pol._fold
+    pol._fold = lambda *a: calls.append(1) or fold(*a)
+    for _ in range(steps):
+        opt.zero_grad()
+        x, y = torch.randn(16, 12, generator=gen), torch.randint(0, 5, (16,), generator=gen)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    ddp.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), len(calls)
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_momentum_fold_into_the_residual_changes_no_bit(nesterov):
+    """The fused pass (C kernel, and its torch fallback) gives the parameters of the unfused one."""
+    from sparsync import native
+
+    fused = ss.run_local(_fold_params, 2, nesterov, True, backend="gloo", timeout=120)
+    plain = ss.run_local(_fold_params, 2, nesterov, False, backend="gloo", timeout=120)
+    assert fused[0][1] == 4 and plain[0][1] == 0  # it did fold, from step 1 on (step 0: no residual yet)
+    assert all(torch.equal(f[0], plain[0][0]) for f in fused + plain)
+    with native.switched_off():
+        torch_fold = ss.run_local(_fold_params, 2, nesterov, True, backend="gloo", timeout=120)
+    assert all(torch.equal(f[0], plain[0][0]) for f in torch_fold)

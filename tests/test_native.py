@@ -115,6 +115,40 @@ def test_unsuitable_inputs_are_refused_with_a_reason():
         native.compact_rows_abs_ge(torch.randn(3, 4), torch.ones(2))
 
 
+def _fold_reference(u, r, g, m, nesterov):
+    """The torch passes momentum_fold replaces (sparsync.convergence)."""
+    if g is None:
+        u.mul_(m)
+        r.add_(u * m if nesterov else u)
+    else:
+        torch.add(g, u, alpha=m, out=u)
+        r.add_(torch.add(g, u, alpha=m) if nesterov else u)
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 1000, 4096 + 37])
+def test_momentum_fold_is_bitwise_torchs_passes(n, nesterov):
+    gen = torch.Generator().manual_seed(n)
+    for g in (torch.randn(n, generator=gen) * 1e3, None):
+        u, r = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3
+        if n >= 9:  # signed zeros, a product that rounds to zero, inf and NaN travel like torch's
+            u[:4] = torch.tensor([-0.0, 1e-45, float("inf"), float("nan")])
+            if g is not None:
+                g[:4] = torch.tensor([0.0, -1e-45, 1.0, 2.0])
+        want_u, want_r = u.clone(), r.clone()
+        _fold_reference(want_u, want_r, g, 0.9, nesterov)
+        native.momentum_fold(u, r, g, 0.9, nesterov)
+        assert torch.equal(u.view(torch.int32), want_u.view(torch.int32))  # bits: -0.0 and NaN included
+        assert torch.equal(r.view(torch.int32), want_r.view(torch.int32))
+
+
+def test_momentum_fold_refuses_unsuitable_inputs():
+    with pytest.raises(ValueError, match="one length"):
+        native.momentum_fold(torch.zeros(4), torch.zeros(5), None, 0.9, False)
+    with pytest.raises(ValueError, match="fp32"):
+        native.momentum_fold(torch.zeros(4, dtype=torch.float64), torch.zeros(4), None, 0.9, False)
+
+
 def test_switched_off_and_failed_builds_fall_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("SPARSYNC_NATIVE", "0")

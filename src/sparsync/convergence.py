@@ -65,6 +65,8 @@ import math
 
 import torch
 
+from . import native
+
 __all__ = ["GradientPolicy", "policy_from_options", "POLICY_OPTIONS"]
 
 #: option names accepted by :func:`policy_from_options` (``sparsync train --convergence``)
@@ -148,11 +150,22 @@ class GradientPolicy:
         skips gathering the gradients into a flat buffer first (one copy of the group per step)."""
         return self.momentum > 0
 
-    def before_reduce_parts(self, key: int, grads, numels, like: torch.Tensor, reducer=None) -> torch.Tensor:
+    @property
+    def folds(self) -> bool:
+        """True when :meth:`before_reduce_parts` takes ``fold_into`` (momentum correction on)."""
+        return self.momentum > 0
+
+    def before_reduce_parts(self, key: int, grads, numels, like: torch.Tensor, reducer=None,
+                            fold_into: torch.Tensor | None = None) -> torch.Tensor:
         """Momentum correction on the group's gradients as separate tensors (``None``: zero), laid
         out one after the other (``numels``; ``like`` gives dtype and device): ``u = c g + m u``
         slice by slice of the flat velocity, ``c`` the local-clipping factor (1 when not clipped),
-        so the engine need not copy the gradients into a flat buffer first."""
+        so the engine need not copy the gradients into a flat buffer first.
+
+        ``fold_into``: the reducer's residual (:meth:`~sparsync.reducers.micro.BufferedAccumulator.folding_buffer`);
+        what the reducer would accumulate (``u``, or Nesterov's ``g + m u``) is added into it in the
+        same pass (:func:`sparsync.native.momentum_fold`: one pass instead of two, or three with
+        Nesterov; the same bits) and it is returned, for ``reduce`` after ``mark_folded``."""
         u = self.velocity.get(key)
         n = sum(numels)
         if u is None:
@@ -163,6 +176,8 @@ class GradientPolicy:
         elif u.device != like.device:  # loaded from a checkpoint (kept on the CPU)
             u = self.velocity[key] = u.to(like.device)
         scale = self._clip_scale(grads, reducer)
+        if fold_into is not None:
+            return self._fold(u, fold_into, grads, numels, scale)
         la = self._lookahead_buffer(key, u) if self.nesterov else None
         off = 0
         for gr, m in zip(grads, numels):
@@ -181,6 +196,30 @@ class GradientPolicy:
             if ni is not None:
                 torch.add(gi, ui, alpha=self.momentum, out=ni)  # nesterov: n = g + m u (one more pass)
         return u if la is None else la
+
+    def _fold(self, u: torch.Tensor, r: torch.Tensor, grads, numels, scale) -> torch.Tensor:
+        """``u = c g + m u`` and ``r += u`` (Nesterov: ``r += c g + m u``) slice by slice: the C kernel
+        in one pass where it applies, else torch's passes (the same operations, so the same bits)."""
+        if r.shape != u.shape or r.dtype != u.dtype or r.device != u.device:
+            raise ValueError(f"GradientPolicy: fold_into must be like the velocity {tuple(u.shape)} {u.dtype} "
+                             f"on {u.device}, got {tuple(r.shape)} {r.dtype} on {r.device}")
+        m, off = self.momentum, 0
+        for gr, k in zip(grads, numels):
+            ui, ri = u[off:off + k], r[off:off + k]
+            off += k
+            gi = None if gr is None else gr.reshape(-1)
+            if gi is not None and scale is not None:
+                gi = gi * scale
+            if native.usable(ui) and native.usable(ri) and (gi is None or native.usable(gi)):
+                native.momentum_fold(ui, ri, gi, m, self.nesterov)
+                continue
+            if gi is None:
+                ui.mul_(m)
+                ri.add_(ui * m if self.nesterov else ui)
+            else:
+                torch.add(gi, ui, alpha=m, out=ui)
+                ri.add_(torch.add(gi, ui, alpha=m) if self.nesterov else ui)
+        return r
 
     def _lookahead_buffer(self, key: int, u: torch.Tensor) -> torch.Tensor:
         """The group's buffer for Nesterov's ``g + m u`` (allocated once, like the velocity). The

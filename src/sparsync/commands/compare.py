@@ -3,7 +3,7 @@
 ``--configs "dense;ddp;ddp-fp16;micro:0.01;spardl:0.01,merge=wfbp,option=value"`` — configurations
 separated by ``;``; each is ``NAME[:DENSITY][,key=value...]`` where ``NAME`` is a registered reducer
 or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=`` sets the merge
-plan, ``momentum=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
+plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
 ``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
 option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and

@@ -4,7 +4,8 @@ What: :func:`compact_abs_ge` returns the sorted indices ``i`` with ``|x[i]| >= t
 CPU tensor; :func:`compact_rows_abs_ge` the flat indices ``r * cols + c`` with ``|X[r, c]| >= t[r]``
 of a ``[rows, cols]`` matrix (one threshold per row); :func:`bucket_count` the bucket of every value
 among sorted edges and the histogram of the buckets; :func:`decode_block16` MiCRO's 16-bit index
-messages (:mod:`sparsync.blockindex`). They serve the threshold selection
+messages (:mod:`sparsync.blockindex`); :func:`momentum_fold` momentum correction and error
+feedback in one pass (:mod:`sparsync.convergence`). They serve the threshold selection
 (:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold), MiCRO's calibration
 histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact
 top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection). The result is
@@ -40,7 +41,7 @@ import torch
 from .build import BuildError, load
 
 __all__ = ["ABI", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
-           "switched_off", "usable"]
+           "momentum_fold", "switched_off", "usable"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -51,7 +52,7 @@ _local = threading.local()
 
 
 #: the interface version this module binds (``SPARSYNC_ABI`` in kernels.c)
-ABI = 3
+ABI = 4
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -68,6 +69,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sparsync_bucket_count_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
     lib.sparsync_decode_block16.restype = i64
     lib.sparsync_decode_block16.argtypes = [ptr, i64, i64, i64, ptr]
+    lib.sparsync_momentum_fold_f32.restype = None
+    lib.sparsync_momentum_fold_f32.argtypes = [ptr, ptr, ptr, i64, ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -188,3 +191,16 @@ def decode_block16(msg: torch.Tensor, start: int, nb: int, count: int) -> torch.
     if total != count:
         raise ValueError(f"block16 message: its block counts add up to {total}, expected {count} indices")
     return out
+
+
+def momentum_fold(u: torch.Tensor, r: torch.Tensor, g: torch.Tensor | None, m: float, nesterov: bool) -> None:
+    """In one pass: ``u = m u + g`` and ``r += u`` (``r += g + m u`` with ``nesterov``); ``g=None``: a zero
+    gradient. The same bits as torch's ``torch.add(g, u, alpha=m, out=u)`` then ``r.add_(...)``
+    (:meth:`sparsync.convergence.GradientPolicy.before_reduce_parts`). ``u``, ``r``, ``g`` 1-D
+    :func:`usable` of one length."""
+    n = u.numel()
+    if not (usable(u) and usable(r) and (g is None or usable(g)) and u.dim() == r.dim() == 1
+            and r.numel() == n and (g is None or g.numel() == n)):
+        raise ValueError("momentum_fold needs 1-D contiguous fp32 CPU tensors of one length and the C kernels on")
+    _library().sparsync_momentum_fold_f32(u.data_ptr(), r.data_ptr(), None if g is None else g.data_ptr(), n,
+                                          float(m), int(bool(nesterov)))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O2", "-fPIC", "-shared", "-std=c99"]
+LIBS = ["-lm"]  # fmaf (momentum_fold's scalar tail)
 #: a build that takes longer than this is abandoned (the torch kernels are used instead)
 TIMEOUT_S = 120
 
@@ -48,7 +49,7 @@ def library_path(directory: Path | None = None) -> Path:
     """Where the build for this source, compiler and platform lives."""
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update(" ".join(_compiler() + FLAGS).encode())
+    key.update(" ".join(_compiler() + FLAGS + LIBS).encode())
     key.update(f"{platform.system()}-{platform.machine()}".encode())
     return (directory or cache_dir()) / f"sparsync_kernels-{key.hexdigest()[:16]}.so"
 
@@ -57,7 +58,7 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp.so", dir=target.parent)
     os.close(fd)
-    cmd = _compiler() + FLAGS + ["-o", tmp, str(SOURCE)]
+    cmd = _compiler() + FLAGS + ["-o", tmp, str(SOURCE)] + LIBS
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     except FileNotFoundError:

@@ -9,12 +9,18 @@
  * compares whose sign bits form one 64-bit mask, and only its set bits are visited
  * (count-trailing-zeros), so the pass runs near the speed of reading x.
  * Without AVX2 (another CPU, another compiler) a plain loop gives the same result.
+ *
+ * momentum_fold: momentum correction and error feedback in one pass (sparsync.convergence): per entry
+ * u = m u + g, then r += u (or, Nesterov, r += g + m u). torch needs two passes for it (three with
+ * Nesterov: the look-ahead goes through a buffer), each reading and writing whole arrays.
+ * The arithmetic is torch's, operation by operation: `torch.add(g, u, alpha=m)` is a fused
+ * multiply-add (one rounding) and `r.add_(x)` a plain add, so the bits are the same.
  */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
 
-#define SPARSYNC_ABI 3
+#define SPARSYNC_ABI 4
 
 int sparsync_abi(void) { return SPARSYNC_ABI; }
 
@@ -142,4 +148,43 @@ int64_t sparsync_decode_block16(const int16_t *msg, int64_t nb, int64_t start, i
         for (int32_t j = 0; j < c && i < count; j++, i++) out[i] = base + off[i];
     }
     return total;
+}
+
+/* u = m u + g; r += u, or r += g + m u with nesterov (each product-sum one rounding, as torch's
+ * add with alpha). g == NULL: the gradient is zero, u = u * m and r += u, or r += u * m (torch's
+ * mul_, which keeps the sign of a zero product). */
+static void fold_plain(float *u, float *r, const float *g, int64_t i, int64_t n, float m, int nesterov) {
+    for (; i < n; i++) {
+        float gi = g ? g[i] : 0.0f;
+        float ui = g ? fmaf(u[i], m, gi) : u[i] * m;
+        u[i] = ui;
+        r[i] = r[i] + (nesterov ? (g ? fmaf(ui, m, gi) : ui * m) : ui);
+    }
+}
+
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+__attribute__((target("avx2,fma")))
+static int64_t fold_avx2(float *u, float *r, const float *g, int64_t n, float m, int nesterov) {
+    int64_t i = 0;
+    const __m256 mv = _mm256_set1_ps(m);
+    if (!g)
+        return 0;  /* rare (an unused parameter): the plain loop */
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        __m256 uv = _mm256_fmadd_ps(_mm256_loadu_ps(u + i), mv, gv);
+        _mm256_storeu_ps(u + i, uv);
+        __m256 add = nesterov ? _mm256_fmadd_ps(uv, mv, gv) : uv;
+        _mm256_storeu_ps(r + i, _mm256_add_ps(_mm256_loadu_ps(r + i), add));
+    }
+    return i;
+}
+#endif
+
+void sparsync_momentum_fold_f32(float *u, float *r, const float *g, int64_t n, float m, int nesterov) {
+    int64_t i = 0;
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        i = fold_avx2(u, r, g, n, m, nesterov);
+#endif
+    fold_plain(u, r, g, i, n, m, nesterov);
 }

@@ -177,15 +177,35 @@ class BufferedAccumulator:
     """
 
     reuse_buffers = True
+    _folded: int | None = None  # data_ptr of a residual a caller already added this step's input into
 
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
         res = self.residual
+        folded, self._folded = self._folded, None
+        if folded is not None and res is not None and grad.data_ptr() == folded == res.data_ptr():
+            return res  # the caller did ``residual += input`` itself (mark_folded)
         if res is None:
             return grad.clone()
         if (not self.reuse_buffers or res.shape != grad.shape or res.dtype != torch.result_type(grad, res)
                 or res.device != grad.device or res.data_ptr() == grad.data_ptr()):
             return grad + res
         return res.add_(grad)
+
+    def folding_buffer(self, numel: int, dtype, device) -> torch.Tensor | None:
+        """The residual, when the next :meth:`accumulate` of a ``(numel,)`` ``dtype`` tensor would add
+        into it in place (else None: first step, ``reuse_buffers=False``, another shape). A caller that
+        computes its input in a pass of its own may add it there in the same pass and then pass the
+        residual itself to ``reduce``, after :meth:`mark_folded` - one pass over the gradient fewer
+        (SparseDDP's momentum correction, :func:`sparsync.native.momentum_fold`)."""
+        res = self.residual
+        if (res is None or not self.reuse_buffers or res.dim() != 1 or res.numel() != numel or res.dtype != dtype
+                or res.device != device):
+            return None
+        return res
+
+    def mark_folded(self, buf: torch.Tensor) -> None:
+        """The next ``reduce`` gets ``buf`` (:meth:`folding_buffer`), which already holds ``residual + input``."""
+        self._folded = buf.data_ptr()
 
     def _forget_buffers(self) -> None:
         pass

@@ -343,7 +343,9 @@ class OverlapEngine:
         """The group's flat local gradient as the reducer should see it (policy applied).
 
         With a policy that reads the per-parameter gradients itself (momentum correction:
-        ``u = m u + g`` slice by slice) nothing is copied into a flat buffer first; otherwise the
+        ``u = m u + g`` slice by slice) nothing is copied into a flat buffer first, and where the
+        reducer accumulates in place (``folding_buffer``) the policy adds its output into the
+        reducer's residual in the same pass (``fold_into``); otherwise the
         gradients are gathered (:meth:`GradBuffers.gather`; into the input-only buffer when the
         reducer returns an :class:`IndexedSum` or when ``own`` is set, so the ``.grad`` buffer stays
         cheap to clear, or free to be written)."""
@@ -354,8 +356,15 @@ class OverlapEngine:
                 rec.bad_local.append(g)
                 grads = [None] * len(grads)
             span.mark("check")
-            x = self.policy.before_reduce_parts(g, grads, [self.numels[i] for i in self.groups[g]],
-                                                self.params[self.groups[g][0]], r)
+            numels, like = [self.numels[i] for i in self.groups[g]], self.params[self.groups[g][0]]
+            target = None  # the reducer's residual, when the policy can add its output there in its own pass
+            if getattr(self.policy, "folds", False) and hasattr(r, "folding_buffer"):
+                target = r.folding_buffer(sum(numels), like.dtype, like.device)
+            if target is None:
+                x = self.policy.before_reduce_parts(g, grads, numels, like, r)
+            else:
+                x = self.policy.before_reduce_parts(g, grads, numels, like, r, fold_into=target)
+                r.mark_folded(x)
             span.mark("policy")
             return x
         keep = own or bool(getattr(r, "indexed_output", False))
