@@ -28,6 +28,7 @@ debs:
 	    "no gcc: the torch kernels run instead of the C ones)"; fi; fi
 
 run: setup
+	@$(PY) -c "from sparsync import native; i = native.info(); print('C kernels:', 'built' if i['enabled'] else 'off (' + i['why'] + ')')"
 	$(VENV)/bin/sparsync run-default
 
 test: setup

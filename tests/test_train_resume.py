@@ -71,3 +71,16 @@ def test_resume_thread_backend_with_periodic_checkpoints(tmp_path):
     (tmp_path / "b" / "checkpoints" / "latest").write_text("4\n")
     launch(_cfg(tmp_path, "b", 8, network="thread", reducer="dense", checkpoint_every=4), resume=True)
     assert _losses(tmp_path, "a")[:2] == _losses(tmp_path, "b")[:2]
+
+
+def test_launch_builds_the_c_kernels_before_any_rank_starts(tmp_path, monkeypatch):
+    """The first use compiles them (seconds with 4 ranks at once): that must not land in a timed step."""
+    from sparsync import launch as launch_mod
+    from sparsync import native
+
+    order = []
+    monkeypatch.setattr(native, "enabled", lambda: order.append("native") or True)
+    real = launch_mod.run_local
+    monkeypatch.setattr(launch_mod, "run_local", lambda *a, **k: order.append("ranks") or real(*a, **k))
+    launch(_cfg(tmp_path, "built", 1, network="thread", workers=2))
+    assert order[:2] == ["native", "ranks"]

@@ -127,6 +127,10 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
     if workload is None:
         validate(cfg)
     check_network(cfg.network)
+    from .. import native
+
+    native.enabled()  # build (first use: ~0.2 s alone, seconds with 4 ranks at once) or load the C kernels
+    #                   here, once, not inside the first timed step of every rank
     rd, info = RunDir.prepare(cfg, force=force, resume=resume)
     args = (cfg.to_dict(), str(rd.path), info)
     P = cfg.workers
