@@ -98,6 +98,16 @@ def _times_ok(stats) -> bool:
     return all(v >= 0 for k, v in stats.items() if k.endswith("_s") and isinstance(v, (int, float)))
 
 
+def _sgd_steps(ddp, m, rank, dev, steps):
+    """``steps`` SGD steps of the model wrapped by ``ddp`` on this rank's batches, on ``dev``."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for step in range(steps):
+        x, y = (t.to(dev) for t in _batch(rank, step))
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
 def _ddp_suite(comm, names):
     cc = _cuda_comm(comm)
     dev, P = cc.device, comm.world_size
@@ -124,12 +134,7 @@ def _ddp_suite(comm, names):
     for name, kw in [(n, {}) for n in names] + [("topka", {"delay": 1}), ("micro", {"delay": 1})]:
         m = _model(comm.rank).to(dev)
         ddp = ss.SparseDDP(m, cc, reducer=name, density=0.1, merge="buckets:0.002", **kw)
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        for step in range(6):
-            x, y = (t.to(dev) for t in _batch(comm.rank, step))
-            opt.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
+        _sgd_steps(ddp, m, comm.rank, dev, 6)
         ddp.flush()
         assert _times_ok(ddp.last_stats) and ddp.last_stats["groups"] > 1, (name, ddp.last_stats)
         out[f"{name}{kw}"] = _flat_params(m).cpu()
@@ -137,12 +142,7 @@ def _ddp_suite(comm, names):
     # the default group (no comm given) with CUDA parameters
     m = _model(comm.rank).to(dev)
     ddp = ss.SparseDDP(m, reducer="topka", density=0.1)
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for step in range(3):
-        x, y = (t.to(dev) for t in _batch(comm.rank, step))
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    _sgd_steps(ddp, m, comm.rank, dev, 3)
     out["default comm"] = _flat_params(m).cpu()
     ddp.close()
     return out
