@@ -25,12 +25,14 @@ def _nonfinite_worker(comm, name, bad, bad_rank, policy):
     g = _grad(comm.rank, 1)
     if comm.rank == bad_rank:
         g[7] = bad
+    snap = comm.ledger.snapshot()
     try:
         r.reduce(g)
     except FloatingPointError:
         after = r.residual
         assert r.step == 1  # the failed call did not count
         assert (before is None and after is None) or torch.equal(before, after)  # nothing absorbed
+        assert comm.ledger.since(snap)["bytes_sent"] == 0  # nothing sent
         raise
     return "returned"
 
@@ -41,6 +43,16 @@ def test_nonfinite_raises_naming_the_rank_in_every_reducer(name, bad):
     with pytest.raises(FloatingPointError, match=r"rank 2: .*non-finite gradient at step 1") as ei:
         ss.run_local(_nonfinite_worker, 4, name, bad, 2, "error", backend="thread", timeout=60)
     assert "nonfinite='ignore'" in str(ei.value)
+
+
+@pytest.mark.parametrize("name", ["spardl", "dense"])
+def test_nonfinite_check_fused_into_the_first_pass_has_a_torch_twin(name):
+    # spardl and dense check inside their first pass (Reducer.sum_checked): the C kernel by default
+    # (above), torch's add and check without it - the same refusal, nothing sent or absorbed
+    from sparsync import native
+
+    with native.switched_off(), pytest.raises(FloatingPointError, match=r"rank 1: .*non-finite gradient at step 1"):
+        ss.run_local(_nonfinite_worker, 4, name, float("nan"), 1, "error", backend="thread", timeout=60)
 
 
 @pytest.mark.parametrize("name", ["micro", "oktopk", "gtopk", "hard_threshold", "topka"])

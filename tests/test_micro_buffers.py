@@ -44,6 +44,22 @@ def test_zeros_output_recycles_only_unreferenced_buffers():
     assert len(r._output_pool) <= r.output_pool_size
 
 
+def test_large_recycled_outputs_are_wiped_by_the_streaming_fill():
+    # from STREAM_MIN_BYTES on a recycled buffer is zeroed by the C kernel (sparsync.native.zero_)
+    from sparsync.recycle import STREAM_MIN_BYTES
+
+    n = STREAM_MIN_BYTES // 4 + 13
+    r = _bare()
+    for dtype in (torch.float32, torch.float64):
+        a = r.zeros_output(n, dtype, "cpu")
+        pa = a.data_ptr()
+        a.fill_(-3.0)
+        del a
+        b = r.zeros_output(n, dtype, "cpu")
+        assert b.data_ptr() == pa and int(torch.count_nonzero(b)) == 0 and not bool(b.signbit().any())
+        del b
+
+
 def test_zeros_output_pool_disabled():
     r = _bare()
     r.output_pool_size = 0

@@ -165,21 +165,33 @@ def test_state_dict_round_trip_continues_bitwise(cut):
 
 def test_reuse_buffers_accumulates_in_place_and_never_touches_the_grad():
     """``reuse_buffers=True``: the residual tensor is the accumulator (updated in place, as
-    documented), the gradient is only read, and the results equal a fresh ``grad + residual``."""
+    documented) when nothing is checked, and with the input check on (the default) two buffers take
+    turns (the check rides on the pass that writes one from the other); the gradient is only read,
+    and the results equal a fresh ``grad + residual``."""
     def fn(comm):
-        r = ss.make_reducer("micro", comm, density=0.05)
-        g0 = grad(comm.rank, 0, 1000)
-        r.reduce(g0)
-        held = r.residual
-        snap = held.clone()
-        g1 = grad(comm.rank, 1, 1000)
-        g1c = g1.clone()
-        r.reduce(g1)
-        ok = torch.equal(g1, g1c) and r.residual is held and not torch.equal(held, snap)
-        r2 = ss.make_reducer("micro", comm, density=0.05, reuse_buffers=False)
-        r2.reduce(g0)
-        r2.reduce(g1)
-        return ok and torch.equal(r2.residual, r.residual)
+        ok = True
+        for policy in ("ignore", "error"):
+            r = ss.make_reducer("micro", comm, density=0.05, nonfinite=policy)
+            r2 = ss.make_reducer("micro", comm, density=0.05, reuse_buffers=False, nonfinite=policy)
+            g0 = grad(comm.rank, 0, 1000)
+            r.reduce(g0)
+            r2.reduce(g0)
+            held = r.residual
+            snap = held.clone()
+            storages = []
+            for step in (1, 2, 3):
+                g = grad(comm.rank, step, 1000)
+                gc = g.clone()
+                r.reduce(g)
+                r2.reduce(g)
+                storages.append(r.residual.untyped_storage().data_ptr())
+                ok &= torch.equal(g, gc) and torch.equal(r2.residual, r.residual)
+            if policy == "ignore":
+                ok &= r.residual is held and not torch.equal(held, snap)
+            else:  # two buffers in turn: step 1's, then held's again, then step 1's
+                ok &= storages[0] != held.untyped_storage().data_ptr() and storages[1] == held.untyped_storage().data_ptr()
+                ok &= storages[2] == storages[0]
+        return ok
 
     assert all(ss.run_local(fn, 2))
 

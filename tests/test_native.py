@@ -149,6 +149,53 @@ def test_momentum_fold_refuses_unsuitable_inputs():
         native.momentum_fold(torch.zeros(4, dtype=torch.float64), torch.zeros(4), None, 0.9, False)
 
 
+def _misaligned(n, shift, gen, scale=1.0):
+    """A contiguous fp32 view starting ``shift`` elements into a fresh tensor: every alignment of the
+    streaming-store kernels' head, body and tail is taken."""
+    return (torch.randn(n + shift, generator=gen) * scale)[shift:]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 31, 33, 1000, 4096 + 37])
+def test_sum_check_is_torchs_add_and_finds_every_nonfinite(n):
+    gen = torch.Generator().manual_seed(n)
+    for shift in range(9):
+        g, r = _misaligned(n, shift, gen, 1e3), _misaligned(n, (shift * 5) % 9, gen)
+        out = _misaligned(n, (shift * 3) % 8, gen)
+        if n >= 9:  # signed zeros and sums that overflow are finite inputs: added, not refused
+            g[:4], r[:4] = torch.tensor([-0.0, 0.0, 3e38, -3e38]), torch.tensor([-0.0, -0.0, 3e38, -3e38])
+        assert native.sum_check(out, r, g)
+        assert torch.equal(out.view(torch.int32), torch.add(g, r).view(torch.int32))  # bits, -0.0 included
+        assert native.sum_check(out, None, g) and torch.equal(out.view(torch.int32), g.view(torch.int32))
+        for pos in {0, n // 2, n - 1} if n else ():
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                h = g.clone()
+                h[pos] = bad
+                before = r.clone()
+                assert not native.sum_check(out, r, h) and not native.sum_check(out, None, h)
+                assert torch.equal(r, before)  # only out is written
+
+
+def test_sum_check_refuses_an_output_over_its_inputs():
+    x = torch.randn(100)
+    with pytest.raises(ValueError, match="must not overlap"):
+        native.sum_check(x, torch.randn(100), x)
+    with pytest.raises(ValueError, match="must not overlap"):
+        native.sum_check(x[:50], x[10:60], torch.randn(50))
+    with pytest.raises(ValueError, match="one length"):
+        native.sum_check(torch.empty(4), None, torch.randn(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 31, 33, 1000, 4096 + 37])
+def test_zero_clears_every_byte_at_every_alignment(n, dtype):
+    for shift in range(5):
+        x = torch.full((n + shift + 5,), -1, dtype=dtype)
+        native.zero_(x[shift:shift + n])
+        kept = torch.cat([x[:shift], x[shift + n:]])
+        assert torch.equal(kept, torch.full((shift + 5,), -1, dtype=dtype))  # nothing around it touched
+        assert torch.equal(x[shift:shift + n].view(torch.uint8), torch.zeros((n * x.element_size(),), dtype=torch.uint8))
+
+
 def test_switched_off_and_failed_builds_fall_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("SPARSYNC_NATIVE", "0")

@@ -15,12 +15,20 @@
  * Nesterov: the look-ahead goes through a buffer), each reading and writing whole arrays.
  * The arithmetic is torch's, operation by operation: `torch.add(g, u, alpha=m)` is a fused
  * multiply-add (one rounding) and `r.add_(x)` a plain add, so the bits are the same.
+ *
+ * zero_nt / sum_check: whole-array passes with non-temporal ("streaming") stores, for outputs far
+ * larger than the caches. A normal store first reads the line it writes (read-for-ownership), so
+ * torch's zero_ moves 2 bytes per byte written, a streaming store 1: measured at 25.6M fp32 on one
+ * thread, zero_ 8.2 ms, glibc memset 4.0, zero_nt 2.8. sum_check writes out = r + g (or a copy of
+ * g) and tells whether every g is finite in the same pass: the reducers' non-finite check of
+ * their input (sparsync/reducers/base.py) without a read pass of its own, before anything is sent
+ * and without touching r (out is another buffer, so nothing is lost when g holds a NaN).
  */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
 
-#define SPARSYNC_ABI 4
+#define SPARSYNC_ABI 5
 
 int sparsync_abi(void) { return SPARSYNC_ABI; }
 
@@ -187,4 +195,85 @@ void sparsync_momentum_fold_f32(float *u, float *r, const float *g, int64_t n, f
         i = fold_avx2(u, r, g, n, m, nesterov);
 #endif
     fold_plain(u, r, g, i, n, m, nesterov);
+}
+
+/* ---- whole-array passes with streaming stores (zero_nt, sum_check) ---- */
+
+static int finite_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x7f800000u) != 0x7f800000u;  /* exponent all ones: Inf or NaN */
+}
+
+/* out[i] = r[i] + g[i] (r == NULL: g[i]) for i in [i, n); 0 when some g[i] is not finite */
+static int sum_check_plain(float *out, const float *r, const float *g, int64_t i, int64_t n) {
+    int ok = 1;
+    for (; i < n; i++) {
+        ok &= finite_bits(g[i]);
+        out[i] = r ? r[i] + g[i] : g[i];
+    }
+    return ok;
+}
+
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+__attribute__((target("avx2")))
+static void zero_avx2(char *p, int64_t nbytes) {
+    int64_t i = 0;
+    const __m256i z = _mm256_setzero_si256();
+    int64_t head = (int64_t)((32 - ((uintptr_t)p & 31)) & 31);
+    if (head > nbytes) head = nbytes;
+    memset(p, 0, (size_t)head);
+    for (i = head; i + 128 <= nbytes; i += 128) {
+        _mm256_stream_si256((__m256i *)(p + i), z);
+        _mm256_stream_si256((__m256i *)(p + i + 32), z);
+        _mm256_stream_si256((__m256i *)(p + i + 64), z);
+        _mm256_stream_si256((__m256i *)(p + i + 96), z);
+    }
+    memset(p + i, 0, (size_t)(nbytes - i));
+    _mm_sfence();
+}
+
+/* the aligned middle of out: returns where it stopped; *ok cleared on a non-finite g */
+__attribute__((target("avx2")))
+static int64_t sum_check_avx2(float *out, const float *r, const float *g, int64_t i, int64_t n, int *ok) {
+    const __m256i em = _mm256_set1_epi32(0x7f800000);
+    __m256i bad = _mm256_setzero_si256();
+    for (; i + 8 <= n; i += 8) {
+        __m256 gv = _mm256_loadu_ps(g + i);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(gv), em), em));
+        _mm256_stream_ps(out + i, r ? _mm256_add_ps(_mm256_loadu_ps(r + i), gv) : gv);
+    }
+    _mm_sfence();
+    if (!_mm256_testz_si256(bad, bad)) *ok = 0;
+    return i;
+}
+#endif
+
+void sparsync_zero_nt(void *p, int64_t nbytes) {
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+    if (__builtin_cpu_supports("avx2")) {
+        zero_avx2((char *)p, nbytes);
+        return;
+    }
+#endif
+    memset(p, 0, (size_t)nbytes);
+}
+
+/* out = r + g (r == NULL: out = g); returns 1 when every g[i] is finite, else 0 (out is written
+ * either way). out must not overlap r or g. */
+int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n) {
+    int64_t i = 0;
+    int ok = 1;
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+    if (__builtin_cpu_supports("avx2")) {
+        int64_t head = (int64_t)(((32 - ((uintptr_t)out & 31)) & 31) / sizeof(float));
+        if ((uintptr_t)out % sizeof(float) == 0) {
+            if (head > n) head = n;
+            ok &= sum_check_plain(out, r, g, 0, head);
+            i = sum_check_avx2(out, r, g, head, n, &ok);
+        }
+    }
+#endif
+    ok &= sum_check_plain(out, r, g, i, n);
+    return ok;
 }

@@ -96,6 +96,7 @@ def auto_candidates(P: int) -> list[tuple[int, str]]:
 
 @register("spardl")
 class SparDLReducer(Reducer):
+    checks_input = True  # the finite check rides on the pass that writes grad + residual (sum_checked)
     def __init__(self, comm, density=0.01, teams=1, team_allgather=None, residuals="global",
                  auto_steps=3, **rest):
         super().__init__(comm, density=density, **rest)
@@ -168,10 +169,7 @@ class SparDLReducer(Reducer):
         sag_group = [j * q + r for j in range(d)]
         with self.timed("select"):
             A = self._work_buffer(q * bs, grad)
-            if self.residual is None:
-                A[:n].copy_(grad)
-            else:
-                torch.add(grad, self.residual, out=A[:n])
+            self.sum_checked(A[:n], grad, self.residual)  # the input check in the same pass (raises here)
             A[n:].zero_()
             work = WorkBuffer(A, q, bs)
         with comm.phase(f"{self.name}:srs"):
