@@ -1,7 +1,8 @@
 """Per-step timing of reducers and lossless collectives on one rank, and their summaries.
 
 Why: every benchmark in this project compares methods the same way (``docs/benchmarks.md``):
-each timed step starts with a barrier so the ranks begin together, the step's time is the MAX over
+each timed step starts with a barrier so the ranks begin together (and ends with one, so no rank's
+untimed preparation of the next step overlaps another's timed call), the step's time is the MAX over
 ranks (the slowest rank gates a synchronous data-parallel step) and a configuration's time is the
 MEDIAN over steps (robust to the noise of a shared 2-core machine). Bytes come from the ledger
 (``comm.py``), so they are the same on every backend.
@@ -28,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..collectives import load_all as load_collectives
+from ..recycle import fill_zero
 from ..reducers import make_reducer
 from ..sparse import SparseVec
 from .patterns import GRAD_PATTERNS, heavy_tail_grads
@@ -101,7 +103,7 @@ def time_reducer(comm, name: str, numel: int, density: float = 0.01, steps: int 
         nonlocal grad
         grad = source(step)
         if reset_residual and reducer.residual is not None:
-            reducer.residual.zero_()
+            fill_zero(reducer.residual)
 
     def record(step, wall, _result):
         rec = dict(reducer.stats)
@@ -131,6 +133,10 @@ def _timed_steps(comm, call, steps: int, warmup: int, record, before=None):
         if comm.device.type == "cuda":
             torch.cuda.synchronize(comm.device)
         wall = time.perf_counter() - t0
+        # and end together: a rank done early would otherwise start the next step's untimed
+        # preparation (``before``: a residual reset is a full pass over the gradient) while a slower
+        # rank's call is still timed - on an oversubscribed host it took that rank's CPU
+        comm.barrier()
         if step >= warmup:
             out.append(record(step - warmup, wall, result))
     return out, result

@@ -124,6 +124,7 @@ def _worker(comm, path, names, numel, density, steps, warmup, pattern, seed):
 
     import torch
 
+    from ..recycle import fill_zero
     from ..reducers.registry import make_reducer
     from .reducers import FIXED_THRESHOLD, bench_grads, tuned_threshold
 
@@ -146,7 +147,7 @@ def _worker(comm, path, names, numel, density, steps, warmup, pattern, seed):
             for ver in ("old", "new") if step % 2 == 0 else ("new", "old"):
                 r = reducers[ver]
                 if r.residual is not None:
-                    r.residual.zero_()
+                    fill_zero(r.residual)
                 last[ver] = None  # dropped before the call, as a training loop does
                 comm.barrier()
                 t0 = time.perf_counter()
@@ -154,6 +155,7 @@ def _worker(comm, path, names, numel, density, steps, warmup, pattern, seed):
                 if comm.device.type == "cuda":
                     torch.cuda.synchronize(comm.device)
                 wall = time.perf_counter() - t0
+                comm.barrier()  # no rank's next reset overlaps a slower rank's timed call (reducers._timed_steps)
                 last[ver] = res
                 if step >= warmup:
                     times[ver].append(wall)
