@@ -249,7 +249,13 @@ def _pipelined_allreduce(comm, n):
     got = got.clone()  # at once: a piece still in flight would show here
     fresh = comm.allreduce(x)  # out=None: a new tensor, the same path
     mx = comm.allreduce(x, op="max", out=torch.empty(n))
-    return x, keep, got, out, fresh, mx, comm.ledger.snapshot()
+    led = comm.ledger.snapshot()
+    inplace = x.clone()
+    comm.allreduce(inplace, out=inplace, pieces=True)  # the same pieces, in place
+    checked = ss.make_reducer("dense", comm).reduce(x).clone()  # checked copy, then those pieces
+    unchecked = ss.make_reducer("dense", comm, nonfinite="ignore").reduce(x).clone()  # piecewise copy
+    assert torch.equal(x, keep)
+    return x, keep, got, out, fresh, mx, led, (inplace, checked, unchecked)
 
 
 @pytest.mark.gloo
@@ -264,7 +270,9 @@ def test_gloo_pipelined_copy_allreduce_is_exact_and_identical():
     res = ss.run_local(_pipelined_allreduce, P, n, backend="gloo")
     ref = sum(res[r][1].double() for r in range(P))
     ref_max = torch.stack([res[r][1] for r in range(P)]).amax(0)
-    for r, (x, keep, got, out, fresh, mx, led) in enumerate(res):
+    for r, (x, keep, got, out, fresh, mx, led, same_pieces) in enumerate(res):
+        for y in same_pieces:  # in place in pieces, and the dense reducer both ways: the same bits
+            assert torch.equal(y, got), f"rank {r}: a pieced all-reduce differs"
         assert torch.equal(x, keep), "the input was modified"
         assert torch.equal(got, out) and not torch.isnan(got).any()
         assert torch.allclose(got.double(), ref, rtol=1e-6, atol=1e-6)

@@ -198,6 +198,11 @@ class Comm(ABC):
     def _allreduce_(self, t: torch.Tensor, op: str) -> None:
         """Reduce ``t`` over ranks in place (the same bits on every rank)."""
 
+    def _allreduce_pieces_(self, t: torch.Tensor, op: str) -> None:
+        """:meth:`_allreduce_` as pieces in flight at once where the backend gains by it (TorchComm on
+        CPU); here: one all-reduce."""
+        self._allreduce_(t, op)
+
     def _allreduce_into(self, t: torch.Tensor, out: torch.Tensor, op: str) -> None:
         """Reduce ``t`` over ranks into ``out`` (same size, not aliasing ``t``); ``t`` untouched.
         Here: copy, then :meth:`_allreduce_` in place; a backend may overlap the two."""
@@ -429,18 +434,21 @@ class Comm(ABC):
             self._charge_collective(cost)
         return out
 
-    def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+    def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None,
+                  pieces: bool = False) -> torch.Tensor:
         """Dense all-reduce (``sum``, ``max`` or ``min``); input untouched unless it is ``out``.
 
         The result goes into ``out`` when given (a buffer of ``t``'s size and dtype, or ``t`` itself
         for an in-place reduction: no copy at all), else into a new tensor. A caller that recycles
         ``out`` avoids the allocation (page faults of a fresh 40 MB buffer cost more than the copy).
+        ``pieces`` (in place only): the backend may reduce ``t`` as several all-reduces in flight at
+        once (:meth:`_allreduce_pieces_`; the same bytes, and the same bits on every rank).
         """
         if op not in ("sum", "max", "min"):
             raise CommError(f"allreduce op must be sum, max or min, got {op!r}")
         t = _as_1d(t, "allreduce")
         if out is t:
-            self._allreduce_(out, op)
+            (self._allreduce_pieces_ if pieces else self._allreduce_)(out, op)
         else:
             if out is None:
                 out = torch.empty_like(t, memory_format=torch.contiguous_format)

@@ -12,7 +12,8 @@ on a real process group it runs in pieces, each piece's all-reduce posted as soo
 With the input check on (``nonfinite="error"``, the default) the copy and the check are one pass
 (:meth:`~sparsync.reducers.base.Reducer.sum_checked`: streaming stores, 25.6M fp32 on one thread
 10.0 ms where the copy took 12.4 and the check 6.4) that must end before anything is sent, and the
-buffer is then reduced in place; with ``nonfinite="ignore"`` the piecewise copy.
+buffer is then reduced in place, in the same pieces (``Comm.allreduce(..., pieces=True)``); with
+``nonfinite="ignore"`` the piecewise copy.
 Option ``inplace=True`` removes the copy for a caller that donates its gradient buffer (like torch
 DDP's buckets): the gradient tensor itself is reduced and returned.
 """
@@ -42,7 +43,7 @@ class DenseReducer(Reducer):
             # the check must see all of grad before anything is sent: copy and check in one pass,
             # then reduce in place (one pass where the copy behind the wire needed a check pass too)
             self.sum_checked(out, grad, None)
-            return self.comm.allreduce(out, out=out)
+            return self.comm.allreduce(out, out=out, pieces=True)
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, **_):
