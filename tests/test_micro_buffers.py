@@ -60,28 +60,6 @@ def test_large_recycled_outputs_are_wiped_by_the_streaming_fill():
         del b
 
 
-def test_densify_equals_zero_fill_and_scatter_whatever_the_indices():
-    # sorted unique indices (an IndexedSum) take the one-pass kernel, anything else falls back
-    from sparsync import native
-    from sparsync.reducers.base import IndexedSum
-
-    r = _bare()
-    r.reuse_buffers = True
-    g = torch.Generator().manual_seed(3)
-    n = 5000
-    for idx in (torch.randperm(n, generator=g)[:700].sort().values, torch.randperm(n, generator=g)[:700],
-                torch.tensor([], dtype=torch.int64)):
-        vals = torch.randn(idx.numel(), generator=g)
-        want = torch.zeros(n).index_put_((idx,), vals)
-        for reuse in (True, False):
-            r.reuse_buffers = reuse
-            got = r._densify(IndexedSum(idx, vals, n))
-            assert torch.equal(got, want)
-            del got
-            with native.switched_off():
-                assert torch.equal(r._densify(IndexedSum(idx, vals, n)), want)
-
-
 def test_zeros_output_pool_disabled():
     r = _bare()
     r.output_pool_size = 0

@@ -196,34 +196,6 @@ def test_zero_clears_every_byte_at_every_alignment(n, dtype):
         assert torch.equal(x[shift:shift + n].view(torch.uint8), torch.zeros((n * x.element_size(),), dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("n", [0, 1, 5, 8, 9, 31, 64, 1000, 4133])
-def test_densify_writes_zeros_and_values_in_one_pass(n):
-    gen = torch.Generator().manual_seed(n)
-    for shift in range(8):
-        for k in sorted({0, min(n, 1), min(n, 3), n // 10, n // 2, n}):
-            idx = torch.randperm(n, generator=gen)[:k].sort().values
-            vals = torch.randn(k, generator=gen)
-            if k:
-                vals[0] = -0.0
-            base = torch.full((n + shift + 3,), 7.0)
-            out = base[shift:shift + n]
-            want = torch.zeros(n)
-            want[idx] = vals
-            assert native.densify(out, idx, vals)
-            assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # -0.0 kept
-            assert (base[:shift] == 7).all() and (base[shift + n:] == 7).all()  # nothing around it
-
-
-def test_densify_refuses_indices_that_are_not_strictly_ascending_in_range():
-    out, vals = torch.empty(100), torch.randn(4)
-    for bad in ([3, 3, 5, 9], [9, 5, 3, 1], [1, 5, 9, 100], [-1, 5, 9, 20], [1, 2, 80, 79]):
-        assert not native.densify(out, torch.tensor(bad), vals), bad
-    with pytest.raises(ValueError, match="int64 indices"):
-        native.densify(out, torch.tensor([1, 2, 3, 4], dtype=torch.int32), vals)
-    with pytest.raises(ValueError, match="int64 indices"):
-        native.densify(out, torch.tensor([1, 2, 3]), vals)
-
-
 def test_switched_off_and_failed_builds_fall_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("SPARSYNC_NATIVE", "0")

@@ -6,9 +6,8 @@ of a ``[rows, cols]`` matrix (one threshold per row); :func:`bucket_count` the b
 among sorted edges and the histogram of the buckets; :func:`decode_block16` MiCRO's 16-bit index
 messages (:mod:`sparsync.blockindex`); :func:`momentum_fold` momentum correction and error
 feedback in one pass (:mod:`sparsync.convergence`); :func:`zero_` a zero fill and :func:`sum_check`
-``out = r + g`` with the finite check of ``g``, and :func:`densify` a dense vector from sorted
-indices and values, all with streaming stores (large result buffers, the reducers' input check:
-:mod:`sparsync.recycle`, :meth:`sparsync.reducers.base.Reducer.sum_checked`, ``Reducer._densify``). They serve the threshold selection
+``out = r + g`` with the finite check of ``g``, both with streaming stores (large result buffers,
+the reducers' input check: :mod:`sparsync.recycle`, :meth:`sparsync.reducers.base.Reducer.sum_checked`). They serve the threshold selection
 (:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold), MiCRO's calibration
 histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact
 top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection). The result is
@@ -44,7 +43,7 @@ import torch
 from .build import BuildError, load
 
 __all__ = ["ABI", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
-           "densify", "momentum_fold", "sum_check", "switched_off", "usable", "zero_"]
+           "momentum_fold", "sum_check", "switched_off", "usable", "zero_"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -78,8 +77,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sparsync_zero_nt.argtypes = [ptr, i64]
     lib.sparsync_sum_check_f32.restype = ctypes.c_int
     lib.sparsync_sum_check_f32.argtypes = [ptr, ptr, ptr, i64]
-    lib.sparsync_densify_f32.restype = ctypes.c_int
-    lib.sparsync_densify_f32.argtypes = [ptr, i64, ptr, ptr, i64]
     return lib
 
 
@@ -247,19 +244,3 @@ def sum_check(out: torch.Tensor, r: torch.Tensor | None, g: torch.Tensor) -> boo
         raise ValueError("sum_check writes a separate buffer: out must not overlap r or g")
     return bool(_library().sparsync_sum_check_f32(out.data_ptr(), None if r is None else r.data_ptr(),
                                                   g.data_ptr(), n))
-
-
-def densify(out: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> bool:
-    """``out[:] = 0; out[idx] = vals`` in one sequential pass with streaming stores (no zero fill
-    followed by a scatter whose every write misses the cache): for ``idx`` strictly ascending in
-    ``[0, len(out))`` (an :class:`~sparsync.reducers.base.IndexedSum`'s contract). Returns False
-    when ``idx`` is not (``out`` is then partly written: the caller falls back to zero + scatter).
-    ``out``, ``vals`` 1-D :func:`usable`; ``idx`` int64 CPU contiguous, as many as ``vals``."""
-    k = idx.numel()
-    if not (usable(out) and out.dim() == 1 and idx.dtype == torch.int64 and idx.device.type == "cpu"
-            and idx.is_contiguous() and idx.dim() == 1 and vals.numel() == k
-            and (k == 0 or (usable(vals) and vals.dim() == 1))):
-        raise ValueError("densify needs a 1-D fp32 output, int64 indices and fp32 values (contiguous, CPU) "
-                         "and the C kernels on")
-    return _library().sparsync_densify_f32(out.data_ptr(), out.numel(), idx.data_ptr() if k else None,
-                                           vals.data_ptr() if k else None, k) == 0

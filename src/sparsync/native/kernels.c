@@ -23,9 +23,6 @@
  * g) and tells whether every g is finite in the same pass: the reducers' non-finite check of
  * their input (sparsync/reducers/base.py) without a read pass of its own, before anything is sent
  * and without touching r (out is another buffer, so nothing is lost when g holds a NaN).
- * densify writes a whole dense vector from a sorted sparse one in one sequential streaming pass
- * (zeros, and the values where the indices fall), instead of a zero fill plus a scatter whose
- * every write is a cache miss.
  */
 #include <stdint.h>
 #include <math.h>
@@ -279,67 +276,4 @@ int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n
 #endif
     ok &= sum_check_plain(out, r, g, i, n);
     return ok;
-}
-
-/* out[0 .. n) = 0 except out[idx[p]] = vals[p]; idx strictly ascending in [0, n). Returns 0, or -1
- * (out then partly written) when idx is not strictly ascending or leaves [0, n). */
-static int64_t densify_plain(float *out, int64_t i, int64_t end, const int64_t *idx, const float *vals,
-                             int64_t p, int64_t k, int *bad) {
-    for (; i < end; i++) {
-        float v = 0.0f;
-        if (p < k && idx[p] == i)
-            v = vals[p++];
-        if (p < k && idx[p] <= i)
-            *bad = 1;  /* a repeated or descending index */
-        out[i] = v;
-    }
-    return p;
-}
-
-#ifdef SPARSYNC_HAVE_AVX2_PATH
-__attribute__((target("avx2")))
-static int64_t densify_avx2(float *out, int64_t *pi, int64_t n, const int64_t *idx, const float *vals,
-                            int64_t p, int64_t k, int *bad) {
-    int64_t i = *pi;
-    const __m256 z = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) {
-        if (p < k && idx[p] < i + 8) {
-            float buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            int64_t last = i - 1;
-            while (p < k && idx[p] < i + 8) {
-                if (idx[p] <= last) { *bad = 1; break; }
-                last = idx[p];
-                buf[idx[p] - i] = vals[p];
-                p++;
-            }
-            if (*bad) break;
-            _mm256_stream_ps(out + i, _mm256_loadu_ps(buf));
-        } else {
-            _mm256_stream_ps(out + i, z);
-        }
-    }
-    _mm_sfence();
-    *pi = i;
-    return p;
-}
-#endif
-
-int sparsync_densify_f32(float *out, int64_t n, const int64_t *idx, const float *vals, int64_t k) {
-    int64_t i = 0, p = 0;
-    int bad = 0;
-    if (k > 0 && (idx[0] < 0 || idx[k - 1] >= n))
-        return -1;
-#ifdef SPARSYNC_HAVE_AVX2_PATH
-    if (__builtin_cpu_supports("avx2") && (uintptr_t)out % sizeof(float) == 0) {
-        int64_t head = (int64_t)(((32 - ((uintptr_t)out & 31)) & 31) / sizeof(float));
-        if (head > n) head = n;
-        p = densify_plain(out, 0, head, idx, vals, p, k, &bad);
-        i = head;
-        if (!bad)
-            p = densify_avx2(out, &i, n, idx, vals, p, k, &bad);
-    }
-#endif
-    if (!bad)
-        p = densify_plain(out, i, n, idx, vals, p, k, &bad);
-    return (bad || p != k) ? -1 : 0;
 }
