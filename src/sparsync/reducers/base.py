@@ -22,10 +22,11 @@ Non-finite input (docs/reliability.md), one policy for every reducer: ``nonfinit
 anything is sent or absorbed into the residual; ``nonfinite="ignore"`` skips the check (the caller
 guarantees finite input). :class:`~sparsync.ddp.SparseDDP` checks every gradient itself (its
 ``nonfinite`` = error / skip / ignore) and builds its reducers with ``"ignore"``, so a step is
-checked once. The check is one fused read pass: ``grad.sum()`` is finite for finite input (NaN or
-Inf propagate), and only a non-finite sum (or a float overflow of it) pays the exact
-``isfinite(grad).all()``; at n = 1e7 it costs about a tenth of the ``grad + residual`` pass every
-error-feedback reducer makes anyway (measured in docs/reliability.md). Raising on one rank makes
+checked once. A reducer with ``checks_input = True`` checks inside its first pass over the input,
+which writes a buffer of its own (:meth:`Reducer.sum_checked`: ``grad + residual`` or the copy of
+``grad``, and the test of every exponent, in one C pass); every other one pays one read pass:
+``grad.sum()`` is finite for finite input (NaN or Inf propagate), and only a non-finite sum (or a
+float overflow of it) pays the exact ``isfinite(grad).all()`` (docs/reliability.md). Raising on one rank makes
 the others wait in their next collective: ``run_local`` / ``sparsync train`` then stop every rank
 at once; a plain torchrun job waits for its collective timeout.
 
