@@ -88,8 +88,10 @@ class Reducer:
     #: (:meth:`allreduce_wire_values`): that sum rounds outside any residual, so an instance with
     #: ``value_dtype`` fp16/bf16 reports ``conserving = False``.
     value_dtype_conserving = True
-    #: True for reducers whose :meth:`_reduce` begins with :meth:`sum_checked` (the non-finite check
-    #: fused into their first pass over the input): :meth:`reduce` then makes no check pass of its own
+    #: True for reducers whose :meth:`_reduce` checks its input itself before it sends anything - with
+    #: :meth:`sum_checked` (the check fused into their first pass over the input: ``dense``,
+    #: ``spardl``, the ``BufferedAccumulator`` reducers) or :meth:`check_finite`: :meth:`reduce` then
+    #: makes no check pass of its own (``tests/test_faults_inputs.py`` holds every reducer to it)
     checks_input = False
 
     def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", nonfinite: str = "error",
