@@ -196,6 +196,30 @@ def test_zero_clears_every_byte_at_every_alignment(n, dtype):
         assert torch.equal(x[shift:shift + n].view(torch.uint8), torch.zeros((n * x.element_size(),), dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("n", [1, 9, 1000, 4133])
+def test_take_clear_is_index_select_then_index_fill(n):
+    gen = torch.Generator().manual_seed(n)
+    for k in sorted({0, 1, n // 7, n}):
+        x = torch.randn(n, generator=gen)
+        x[0] = -0.0
+        idx = torch.randperm(n, generator=gen)[:k].sort().values
+        want_x, want_v = x.clone(), x.index_select(0, idx)
+        want_x.index_fill_(0, idx, 0)
+        got = native.take_clear(x, idx)
+        assert torch.equal(got.view(torch.int32), want_v.view(torch.int32))  # -0.0 read as is
+        assert torch.equal(x.view(torch.int32), want_x.view(torch.int32))  # cleared to +0.0
+
+
+def test_take_clear_refuses_unsorted_repeated_or_outside_indices_untouched():
+    x = torch.randn(100)
+    keep = x.clone()
+    for bad in ([5, 3], [3, 3], [1, 100], [-1, 4]):
+        assert native.take_clear(x, torch.tensor(bad)) is None, bad
+        assert torch.equal(x, keep)  # nothing written
+    with pytest.raises(ValueError, match="int64 CPU indices"):
+        native.take_clear(x, torch.tensor([1, 2], dtype=torch.int32))
+
+
 def test_switched_off_and_failed_builds_fall_back(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("SPARSYNC_NATIVE", "0")

@@ -43,7 +43,7 @@ import torch
 from .build import BuildError, load
 
 __all__ = ["ABI", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
-           "momentum_fold", "sum_check", "switched_off", "usable", "zero_"]
+           "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -54,7 +54,7 @@ _local = threading.local()
 
 
 #: the interface version this module binds (``SPARSYNC_ABI`` in kernels.c)
-ABI = 5
+ABI = 6
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -77,6 +77,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sparsync_zero_nt.argtypes = [ptr, i64]
     lib.sparsync_sum_check_f32.restype = ctypes.c_int
     lib.sparsync_sum_check_f32.argtypes = [ptr, ptr, ptr, i64]
+    lib.sparsync_take_clear_f32.restype = ctypes.c_int
+    lib.sparsync_take_clear_f32.argtypes = [ptr, i64, ptr, i64, ptr]
     return lib
 
 
@@ -244,3 +246,18 @@ def sum_check(out: torch.Tensor, r: torch.Tensor | None, g: torch.Tensor) -> boo
         raise ValueError("sum_check writes a separate buffer: out must not overlap r or g")
     return bool(_library().sparsync_sum_check_f32(out.data_ptr(), None if r is None else r.data_ptr(),
                                                   g.data_ptr(), n))
+
+
+def take_clear(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+    """``vals = x[idx]`` and then ``x[idx] = 0`` in one visit of each entry (the values a reducer
+    sends and the error feedback's zeroing of them: ``index_select`` + ``index_fill_`` in torch).
+    ``idx``: int64, contiguous CPU, strictly ascending in ``[0, len(x))``; otherwise None and ``x``
+    untouched (the caller takes the torch path). ``x`` 1-D :func:`usable`."""
+    if not (usable(x) and x.dim() == 1 and idx.dtype == torch.int64 and idx.device.type == "cpu"
+            and idx.dim() == 1 and idx.is_contiguous()):
+        raise ValueError("take_clear needs a 1-D contiguous fp32 CPU tensor, int64 CPU indices and the C kernels on")
+    k = idx.numel()
+    out = torch.empty(k, dtype=x.dtype)
+    if k and _library().sparsync_take_clear_f32(x.data_ptr(), x.numel(), idx.data_ptr(), k, out.data_ptr()) != 0:
+        return None
+    return out

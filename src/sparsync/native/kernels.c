@@ -23,12 +23,15 @@
  * g) and tells whether every g is finite in the same pass: the reducers' non-finite check of
  * their input (sparsync/reducers/base.py) without a read pass of its own, before anything is sent
  * and without touching r (out is another buffer, so nothing is lost when g holds a NaN).
+ *
+ * take_clear: out[p] = x[idx[p]], then x[idx[p]] = 0 - the gather of the values to send and the
+ * error feedback's zeroing of the sent entries in one visit of each cache line instead of two.
  */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
 
-#define SPARSYNC_ABI 5
+#define SPARSYNC_ABI 6
 
 int sparsync_abi(void) { return SPARSYNC_ABI; }
 
@@ -276,4 +279,18 @@ int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n
 #endif
     ok &= sum_check_plain(out, r, g, i, n);
     return ok;
+}
+
+/* out[p] = x[idx[p]]; x[idx[p]] = +0.0 for p in [0, k), idx strictly ascending in [0, n) (one visit
+ * per entry). Returns 0, or -1 without writing anything when idx is not. */
+int sparsync_take_clear_f32(float *x, int64_t n, const int64_t *idx, int64_t k, float *out) {
+    for (int64_t p = 0; p < k; p++)
+        if (idx[p] < 0 || idx[p] >= n || (p > 0 && idx[p] <= idx[p - 1]))
+            return -1;
+    for (int64_t p = 0; p < k; p++) {
+        float *e = x + idx[p];
+        out[p] = *e;
+        *e = 0.0f;
+    }
+    return 0;
 }

@@ -583,10 +583,17 @@ class MicroReducer(BufferedAccumulator, Reducer):
             # partition order = globally sorted union, the same on every rank
             union = torch.cat([lists[partition_owner(p, step, P)] for p in range(P)]).to(torch.int64)
             K = union.numel()
-            sum_err = None
+            sum_err, cleared = None, False
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
-                    mine = acc.index_select(0, union)
+                    # fp32 values: the error feedback zeroes the sent entries (keep_unsent) - take
+                    # them and zero them in one visit (native.take_clear: the union is ascending)
+                    mine = None
+                    if self.wire_dtype is None and native.usable(acc) and acc.dim() == 1:
+                        mine = native.take_clear(acc, union)
+                    cleared = mine is not None
+                    if not cleared:
+                        mine = acc.index_select(0, union)
                     if self.values == "allreduce":
                         sent, vals = self.allreduce_wire_values(mine)
                     else:
@@ -598,7 +605,9 @@ class MicroReducer(BufferedAccumulator, Reducer):
                                 sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step,
                                 acc.dtype)
         with self.timed("update"):
-            if K:  # half values sent: their rounding error stays in the residual
+            if K and cleared:
+                self.residual = acc  # the sent entries are zero already (take_clear)
+            elif K:  # half values sent: their rounding error stays in the residual
                 self.keep_unsent(acc, union, sent, acc_vals=mine)
                 if sum_err is not None:  # and the owner keeps its half sums' rounding error
                     acc.index_add_(0, lists[comm.rank], sum_err)
