@@ -273,6 +273,23 @@ class Reducer:
             set_at(acc, idx, old - sent_vals.to(acc.dtype))
         self.residual = acc
 
+    def take_unsent(self, acc: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(vals, sent)``: ``acc`` at the unique ``idx`` and what travels (:meth:`wire_values`), with
+        :meth:`keep_unsent` done for them at once (``acc`` keeps ``acc - sent`` there: zero for fp32).
+        fp32 values on the CPU with ascending ``idx`` (every threshold and exact top-k selection, and
+        MiCRO's union): the gather and the zeroing in one visit of each entry
+        (:func:`sparsync.native.take_clear`) instead of an ``index_select`` and an ``index_fill_``."""
+        idx = idx.to(torch.int64)
+        if self.wire_dtype is None and native.usable(acc) and acc.dim() == 1 and idx.device.type == "cpu":
+            vals = native.take_clear(acc, idx.contiguous())
+            if vals is not None:
+                self.residual = acc
+                return vals, vals
+        vals = acc.index_select(0, idx)
+        sent = self.wire_values(vals)
+        self.keep_unsent(acc, idx, sent, acc_vals=vals)
+        return vals, sent
+
     @property
     def scratch(self) -> dict:
         """Selection workspaces kept across steps (``sparsync.select.exact.scratch_buffer``)."""

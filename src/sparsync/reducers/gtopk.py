@@ -61,9 +61,8 @@ class GTopkReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals = acc.index_select(0, idx)
+            vals, _ = self.take_unsent(acc, idx)  # acc is now the local residual
             own_idx, own_vals = idx, vals
-            self.keep_unsent(acc, idx)  # acc is now the local residual
         self.stats["selected"] = k
         drops = []
         with comm.phase("gtopk:reduce"):

@@ -65,8 +65,7 @@ class HardThresholdReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = threshold_indices(acc, self.threshold, workspace=self._ws)
-            vals = self.wire_values(acc.index_select(0, idx))
-            self.keep_unsent(acc, idx, vals)
+            _, vals = self.take_unsent(acc, idx)
         with self.timed("comm"):
             bufs = self.comm.allgatherv(encode(SparseVec(idx, vals, self.numel, check=False)))
             payloads = [decode(b, self.numel, vals.dtype) for b in bufs]

@@ -189,27 +189,24 @@ class BufferedAccumulator:
     """
 
     reuse_buffers = True
-    checks_input = True  # every user of this mixin calls accumulate() before it sends anything
+    checks_input = True  # every user of this mixin calls accumulate() before it sends anything, and it checks
     _folded: int | None = None  # data_ptr of a residual a caller already added this step's input into
     _spare: torch.Tensor | None = None  # the second accumulator buffer of the checked path
 
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
+        # the input check is made here (checks_input): check_finite / sum_checked, before anything is sent
         res = self.residual
-        check = self.checks_input  # else Reducer.reduce has checked grad already
         folded, self._folded = self._folded, None
         if folded is not None and res is not None and grad.data_ptr() == folded == res.data_ptr():
-            if check:
-                self.check_finite(res)
+            self.check_finite(res)
             return res  # the caller did ``residual += input`` itself (mark_folded)
         if res is None:
-            return self.sum_checked(torch.empty_like(grad, memory_format=torch.contiguous_format), grad, None) \
-                if check else grad.clone()
+            return self.sum_checked(torch.empty_like(grad, memory_format=torch.contiguous_format), grad, None)
         if (not self.reuse_buffers or res.shape != grad.shape or res.dtype != torch.result_type(grad, res)
                 or res.device != grad.device or res.data_ptr() == grad.data_ptr()):
-            if check:
-                self.check_finite(grad)
+            self.check_finite(grad)
             return grad + res
-        if check and self.nonfinite != "ignore" and native.usable(res) and native.usable(grad) and res.dim() == 1:
+        if self.nonfinite != "ignore" and native.usable(res) and native.usable(grad) and res.dim() == 1:
             spare = self._spare
             if (spare is None or spare.shape != res.shape or spare.dtype != res.dtype or spare.device != res.device
                     or spare.untyped_storage().data_ptr() in (res.untyped_storage().data_ptr(),
@@ -218,8 +215,7 @@ class BufferedAccumulator:
             self.sum_checked(spare, grad, res)  # raises before anything is sent; res unchanged then
             self._spare = res
             return spare
-        if check:
-            self.check_finite(grad)
+        self.check_finite(grad)  # nothing to do with nonfinite="ignore"
         return res.add_(grad)
 
     def folding_buffer(self, numel: int, dtype, device) -> torch.Tensor | None:
@@ -583,32 +579,22 @@ class MicroReducer(BufferedAccumulator, Reducer):
             # partition order = globally sorted union, the same on every rank
             union = torch.cat([lists[partition_owner(p, step, P)] for p in range(P)]).to(torch.int64)
             K = union.numel()
-            sum_err, cleared = None, False
+            sum_err = None
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
-                    # fp32 values: the error feedback zeroes the sent entries (keep_unsent) - take
-                    # them and zero them in one visit (native.take_clear: the union is ascending)
-                    mine = None
-                    if self.wire_dtype is None and native.usable(acc) and acc.dim() == 1:
-                        mine = native.take_clear(acc, union)
-                    cleared = mine is not None
-                    if not cleared:
-                        mine = acc.index_select(0, union)
+                    # the values to send, and the residual keeps acc - sent there (half values: their
+                    # rounding error), in one visit (take_unsent; the union is ascending)
+                    mine, sent = self.take_unsent(acc, union)
                     if self.values == "allreduce":
-                        sent, vals = self.allreduce_wire_values(mine)
+                        _, vals = self.allreduce_wire_values(mine)  # all-reduces the same rounded values
+                    elif self.values == "gather":
+                        vals = self._gathered_sum(sent, acc.dtype)
                     else:
-                        sent = self.wire_values(mine)
-                        if self.values == "gather":
-                            vals = self._gathered_sum(sent, acc.dtype)
-                        else:
-                            vals, sum_err = self._owner_sum(
-                                sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step,
-                                acc.dtype)
+                        vals, sum_err = self._owner_sum(
+                            sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step,
+                            acc.dtype)
         with self.timed("update"):
-            if K and cleared:
-                self.residual = acc  # the sent entries are zero already (take_clear)
-            elif K:  # half values sent: their rounding error stays in the residual
-                self.keep_unsent(acc, union, sent, acc_vals=mine)
+            if K:  # take_unsent left acc - sent in the residual
                 if sum_err is not None:  # and the owner keeps its half sums' rounding error
                     acc.index_add_(0, lists[comm.rank], sum_err)
             else:

@@ -97,6 +97,7 @@ def auto_candidates(P: int) -> list[tuple[int, str]]:
 @register("spardl")
 class SparDLReducer(Reducer):
     checks_input = True  # the finite check rides on the pass that writes grad + residual (sum_checked)
+
     def __init__(self, comm, density=0.01, teams=1, team_allgather=None, residuals="global",
                  auto_steps=3, **rest):
         super().__init__(comm, density=density, **rest)

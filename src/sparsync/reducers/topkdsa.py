@@ -63,8 +63,7 @@ class TopkDSAReducer(BufferedAccumulator, Reducer):
         with self.timed("select"):
             acc = self.accumulate(grad)
             idx = select_topk(acc, self.k, self._scratch)
-            vals = acc.index_select(0, idx)
-            self.keep_unsent(acc, idx)
+            vals, _ = self.take_unsent(acc, idx)
             ps = -(-n // P)
             bounds = [min(n, j * ps) for j in range(P + 1)]
             cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device)).tolist()
