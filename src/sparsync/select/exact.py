@@ -306,7 +306,7 @@ def _finish1(flat, vals, k: int) -> torch.Tensor:
     need = k - int(keep.sum())
     if need:
         keep[torch.nonzero(vals == v).squeeze(1)[:need]] = True  # lowest indices first
-    return flat[keep]
+    return flat.index_select(0, keep.nonzero().squeeze(1))  # (a mask index costs ~1.3x here)
 
 
 def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
@@ -315,24 +315,29 @@ def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
     ``flat``: ascending candidate indices (so grouped by row, index order inside a row), ``vals``
     their magnitudes (NaN-free), ``rows`` their row ids in ``[0, m)``, ``counts`` per row (``>= k``).
     """
+    # per-candidate lookups by index_select, the padded matrix filled by one scatter: advanced
+    # indexing (offs[rows], cand[rows, pos] = ..., flat[mask]) cost ~2x as much here (SparDL's
+    # m = 4 rows of 3.2M at 1 %: 5.2 ms before, docs/benchmarks.md "seventh session")
     dev = flat.device
     cmax = int(counts.max())
     offs = torch.cumsum(counts, 0) - counts
-    pos = torch.arange(flat.numel(), device=dev) - offs[rows]
-    cand = torch.full((m, cmax), _BELOW_ALL, dtype=vals.dtype, device=dev)
-    cand[rows, pos] = vals
-    v = torch.topk(cand, k, dim=1, sorted=False).values.amin(dim=1)  # padding is never chosen
-    vr = v[rows]
+    # slot in the row-major [m, cmax] matrix: position in flat order, shifted by the row's offset
+    shift = torch.arange(m, device=dev).mul_(cmax).sub_(offs)
+    slot = torch.arange(flat.numel(), device=dev).add_(shift.index_select(0, rows))
+    cand = torch.full((m * cmax,), _BELOW_ALL, dtype=vals.dtype, device=dev)
+    cand.scatter_(0, slot, vals)
+    v = torch.topk(cand.view(m, cmax), k, dim=1, sorted=False).values.amin(dim=1)  # padding is never chosen
+    vr = v.index_select(0, rows)
     keep = vals >= vr  # >= k per row; exactly k in every row iff m*k in all (no ties at v: the usual case)
     if int(keep.sum()) == m * k:
-        return flat[keep]
+        return flat.index_select(0, keep.nonzero().squeeze(1))
     gt = vals > vr
     eq = vals == vr
     need = k - torch.bincount(rows[gt], minlength=m)  # entries still wanted at the k-th magnitude
     eqi = eq.to(torch.int64)
     rank = torch.cumsum(eqi, 0) - eqi  # equal entries before this one, over all rows
-    base = rank[offs]  # ... before this row (every row has >= k >= 1 candidates)
-    keep = gt | (eq & ((rank - base[rows]) < need[rows]))
+    base = rank.index_select(0, offs)  # ... before this row (every row has >= k >= 1 candidates)
+    keep = gt | (eq & ((rank - base.index_select(0, rows)) < need.index_select(0, rows)))
     out = flat[keep]
     if out.numel() != m * k:
         raise RuntimeError(f"exact top-k selected {out.numel()} entries instead of {m * k} (internal error)")
