@@ -189,7 +189,8 @@ def test_reuse_buffers_accumulates_in_place_and_never_touches_the_grad():
             if policy == "ignore":
                 ok &= r.residual is held and not torch.equal(held, snap)
             else:  # two buffers in turn: step 1's, then held's again, then step 1's
-                ok &= storages[0] != held.untyped_storage().data_ptr() and storages[1] == held.untyped_storage().data_ptr()
+                held_ptr = held.untyped_storage().data_ptr()
+                ok &= storages[0] != held_ptr and storages[1] == held_ptr
                 ok &= storages[2] == storages[0]
         return ok
 

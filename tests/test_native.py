@@ -193,7 +193,8 @@ def test_zero_clears_every_byte_at_every_alignment(n, dtype):
         native.zero_(x[shift:shift + n])
         kept = torch.cat([x[:shift], x[shift + n:]])
         assert torch.equal(kept, torch.full((shift + 5,), -1, dtype=dtype))  # nothing around it touched
-        assert torch.equal(x[shift:shift + n].view(torch.uint8), torch.zeros((n * x.element_size(),), dtype=torch.uint8))
+        zeros = torch.zeros((n * x.element_size(),), dtype=torch.uint8)
+        assert torch.equal(x[shift:shift + n].view(torch.uint8), zeros)
 
 
 @pytest.mark.parametrize("n", [1, 9, 1000, 4133])

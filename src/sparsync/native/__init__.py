@@ -7,7 +7,8 @@ among sorted edges and the histogram of the buckets; :func:`decode_block16` MiCR
 messages (:mod:`sparsync.blockindex`); :func:`momentum_fold` momentum correction and error
 feedback in one pass (:mod:`sparsync.convergence`); :func:`zero_` a zero fill and :func:`sum_check`
 ``out = r + g`` with the finite check of ``g``, both with streaming stores (large result buffers,
-the reducers' input check: :mod:`sparsync.recycle`, :meth:`sparsync.reducers.base.Reducer.sum_checked`). They serve the threshold selection
+the reducers' input check: :mod:`sparsync.recycle`,
+:meth:`sparsync.reducers.base.Reducer.sum_checked`). They serve the threshold selection
 (:func:`sparsync.select.threshold.threshold_indices`: MiCRO, hard threshold), MiCRO's calibration
 histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact
 top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection). The result is

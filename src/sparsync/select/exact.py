@@ -316,7 +316,7 @@ def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
     their magnitudes (NaN-free), ``rows`` their row ids in ``[0, m)``, ``counts`` per row (``>= k``).
     """
     # per-candidate lookups by index_select, the padded matrix filled by one scatter: advanced
-    # indexing (offs[rows], cand[rows, pos] = ..., flat[mask]) cost ~2x as much here (SparDL's
+    # indexing (offs[rows], cand[rows, pos] = ..., flat[mask]) made this step 1.6x slower (SparDL's
     # m = 4 rows of 3.2M at 1 %: 5.2 ms before, docs/benchmarks.md "seventh session")
     dev = flat.device
     cmax = int(counts.max())
