@@ -189,12 +189,11 @@ class BufferedAccumulator:
     """
 
     reuse_buffers = True
-    checks_input = True  # every user of this mixin calls accumulate() before it sends anything, and it checks
+    checks_input = True  # every user of this mixin calls accumulate() first, which checks the input
     _folded: int | None = None  # data_ptr of a residual a caller already added this step's input into
     _spare: torch.Tensor | None = None  # the second accumulator buffer of the checked path
 
     def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
-        # the input check is made here (checks_input): check_finite / sum_checked, before anything is sent
         res = self.residual
         folded, self._folded = self._folded, None
         if folded is not None and res is not None and grad.data_ptr() == folded == res.data_ptr():
@@ -586,7 +585,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
                     # rounding error), in one visit (take_unsent; the union is ascending)
                     mine, sent = self.take_unsent(acc, union)
                     if self.values == "allreduce":
-                        _, vals = self.allreduce_wire_values(mine)  # all-reduces the same rounded values
+                        # the all-reduce of the values already rounded (wire_values leaves them as they are)
+                        vals = self.allreduce_wire_values(sent)[1].to(acc.dtype)
                     elif self.values == "gather":
                         vals = self._gathered_sum(sent, acc.dtype)
                     else:

@@ -338,7 +338,7 @@ def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
     rank = torch.cumsum(eqi, 0) - eqi  # equal entries before this one, over all rows
     base = rank.index_select(0, offs)  # ... before this row (every row has >= k >= 1 candidates)
     keep = gt | (eq & ((rank - base.index_select(0, rows)) < need.index_select(0, rows)))
-    out = flat[keep]
+    out = flat.index_select(0, keep.nonzero().squeeze(1))
     if out.numel() != m * k:
         raise RuntimeError(f"exact top-k selected {out.numel()} entries instead of {m * k} (internal error)")
     return out
