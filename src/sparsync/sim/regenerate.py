@@ -1,10 +1,11 @@
-"""Regenerate every committed model-based simulation output, or check that the committed ones match.
+"""Regenerate every committed model-based simulation output, or check that the committed ones and the
+model numbers the docs quote match the code.
 
 ::
 
     python -m sparsync.sim.regenerate            # rewrite docs/img/sim_collectives.* and sim_schedule_*.*
-    python -m sparsync.sim.regenerate --check    # exit 1 when a committed number differs from the code
-    python -m sparsync.sim.regenerate --rows     # the model numbers quoted in docs/reproduction.md
+    python -m sparsync.sim.regenerate --check    # exit 1 when a committed or quoted number differs from the code
+    python -m sparsync.sim.regenerate --rows     # the model numbers docs/reproduction.md may quote, by key
 
 Why: the figures and the numbers quoted from them (``docs/reproduction.md``, ``docs/simulator.md``)
 went stale when formulas changed. Everything here is deterministic — alpha-beta formulas, the
@@ -12,6 +13,16 @@ virtual-clock executed simulation with seeded inputs, and the MG-WFBP trace simu
 committed backward profiles (``docs/img/profile_*_cpu.json``) — so the committed JSON must equal what
 the current code computes; ``tests/test_sim_regenerate.py`` runs the check in CI (the executed
 simulation only for the small ``P`` where it is quick).
+
+**Quoted model numbers.** Every model number in ``docs/reproduction.md`` — a time, bound, ratio, speed-up,
+group count or crossing computed by the alpha-beta formulas (SparCML, SparDL, S2 rows) or read from the
+MG-WFBP trace simulation — must carry an invisible key right after its digits, e.g.
+``20.56<!--m:spardl4.P16.spardl--> ms`` (a range ``lo–hi`` is one value). :func:`model_numbers` gives
+the value of every key, formatted as the doc quotes it; ``--rows`` prints them grouped by key prefix
+(``prefix: leaf value``, the key being ``prefix.leaf``); ``--check`` (:func:`check_doc`) compares each
+keyed number with it and reports a differing value or an unknown key as one line naming the key. Inputs
+(``P``, ``n``, density, alpha, beta) and measured numbers carry no key. The schedule numbers are read from
+the committed ``sim_schedule_<model>.json`` (fast), whose equality with the code :func:`check` verifies.
 
 Parameters are fixed here (:data:`COLLECTIVES`, :data:`SCHEDULE_PROFILES`) so that the command and the
 check cannot drift apart.
@@ -21,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -102,65 +114,142 @@ def _ms(t: tuple[float, float]) -> str:
     return f"{hi:.2f}" if lo == hi else f"{lo:.2f}-{hi:.2f}"
 
 
-def reproduction_rows() -> list[str]:
-    """The model numbers quoted in ``docs/reproduction.md`` (formulas only; deterministic), one line each."""
-    out = []
+def _formula_numbers() -> dict[str, str]:
+    """The alpha-beta formula numbers quoted in ``docs/reproduction.md`` (milliseconds unless the key says)."""
+    out: dict[str, str] = {}
     a, b = 10e-6, 0.8e-9  # SparCML row 1: a faster network than ours, as in the thesis' figures
     for P in (8, 64):
-        cells = [f"{d:g}: rec_dbl {_ms(_t('ssar_rec_dbl', 'collective', P, 1 << 24, d, a, b))} / split "
-                 f"{_ms(_t('ssar_split_allgather', 'collective', P, 1 << 24, d, a, b))} ms"
-                 for d in (1e-5, 1e-4, 1e-3, 1e-2)]
-        out.append(f"sparcml 1, N=2^24, alpha 10us, beta 0.8ns/B, P={P}: " + "; ".join(cells))
-    for P in (8, 64):
-        cells = [f"{d:g}: dsar_split {_ms(_t('dsar_split_allgather', 'collective', P, 1 << 24, d, C.ALPHA, C.BETA))}"
-                 f" / rec_dbl {_ms(_t('ssar_rec_dbl', 'collective', P, 1 << 24, d, C.ALPHA, C.BETA))} ms"
-                 for d in (1e-3, 1e-2, 5e-2, 1e-1)]
-        out.append(f"sparcml 2, N=2^24, P={P}: " + "; ".join(cells))
-    n, d = COLLECTIVES["n"], COLLECTIVES["density"]
-    for P in (16, 128, 256):
-        out.append(f"sparcml 3, n={n}, k=512, P={P}: dsar_early_switch "
-                   f"{_ms(_t('dsar_early_switch', 'collective', P, n, d, C.ALPHA, C.BETA))} vs dsar_split_allgather "
-                   f"{_ms(_t('dsar_split_allgather', 'collective', P, n, d, C.ALPHA, C.BETA))} ms")
+        for d in (1e-5, 1e-4, 1e-3, 1e-2):
+            for short, name in (("rec_dbl", "ssar_rec_dbl"), ("split", "ssar_split_allgather")):
+                out[f"sparcml1.P{P}.d{d:g}.{short}"] = _ms(_t(name, "collective", P, 1 << 24, d, a, b))
+
     def ms(name, kind, P, n, d):  # formula time on our default network (alpha 50 us, 1 Gbit/s)
         return _ms(_t(name, kind, P, n, d, C.ALPHA, C.BETA))
 
+    for P in (8, 64):
+        for d in (1e-3, 1e-2, 5e-2, 1e-1):
+            out[f"sparcml2.P{P}.d{d:g}.dsar_split"] = ms("dsar_split_allgather", "collective", P, 1 << 24, d)
+            out[f"sparcml2.P{P}.d{d:g}.rec_dbl"] = ms("ssar_rec_dbl", "collective", P, 1 << 24, d)
+    n, d = COLLECTIVES["n"], COLLECTIVES["density"]
+    for P in (16, 128, 256):
+        out[f"sparcml3.P{P}.early_switch"] = ms("dsar_early_switch", "collective", P, n, d)
+        out[f"sparcml3.P{P}.dsar_split"] = ms("dsar_split_allgather", "collective", P, n, d)
     ratios = [(_t("auto", "collective", P, n, d, C.ALPHA, C.BETA)[1]
                / _t("dense", "reducer", P, n, 1.0, C.ALPHA, C.BETA)[1], P) for P in COLLECTIVES["pred_ps"]]
     worst = max(ratios)
-    out.append(f"sparcml 4, n={n}, k=512: auto (upper bound) / dense, worst over P = 2..4096: "
-               f"{worst[0]:.3f} at P={worst[1]}")
+    out["sparcml4.auto_over_dense.worst"] = f"{worst[0]:.2f}"
+    out["sparcml4.auto_over_dense.worst_P"] = str(worst[1])
     n14 = 14_700_000
-    out.append(f"spardl 1, n=14.7M, 1%, P=14: spardl {ms('spardl', 'reducer', 14, n14, 0.01)}, "
-               f"TopkA (allgather) {ms('allgather', 'collective', 14, n14, 0.01)}, "
-               f"topkdsa {ms('topkdsa', 'reducer', 14, n14, 0.01)}, "
-               f"oktopk (code's bounds) {ms('oktopk', 'reducer', 14, n14, 0.01)} ms")
+    for short, name, kind in (("spardl", "spardl", "reducer"), ("topka", "allgather", "collective"),
+                              ("topkdsa", "topkdsa", "reducer"), ("oktopk", "oktopk", "reducer")):
+        out[f"spardl1.P14.{short}"] = ms(name, kind, 14, n14, 0.01)
+    topka, spardl = (_t(name, kind, 14, n14, 0.01, C.ALPHA, C.BETA)[1]
+                     for name, kind in (("allgather", "collective"), ("spardl", "reducer")))
+    out["spardl1.P14.topka_over_spardl"] = f"{topka / spardl:.1f}"
     n16 = 16_800_000
-    out.append("spardl 4, n=16.8M, 1%: " + "; ".join(
-        f"P={P}: spardl {ms('spardl', 'reducer', P, n16, 0.01)}, TopkA {ms('allgather', 'collective', P, n16, 0.01)}, "
-        f"gtopk {ms('gtopk', 'reducer', P, n16, 0.01)}, micro {ms('micro', 'reducer', P, n16, 0.01)} ms"
-        for P in (16, 256, 4096)))
+    for P in (16, 256, 4096):
+        for short, name, kind in (("spardl", "spardl", "reducer"), ("topka", "allgather", "collective"),
+                                  ("gtopk", "gtopk", "reducer"), ("micro", "micro", "reducer")):
+            out[f"spardl4.P{P}.{short}"] = ms(name, kind, P, n16, 0.01)
     n8 = (8 << 20) // 4
     ag = _t("allgather", "collective", 16, n8, 1.0, C.ALPHA, C.BETA)[1]
     ar = _t("dense", "reducer", 16, n8, 1.0, C.ALPHA, C.BETA)[1]
-    out.append(f"s2 4, ring P=16, 8 MiB: all-gather {ag:.3f} s vs all-reduce {ar:.3f} s = {ag / ar:.2f}x")
+    out["s2_4.P16.allgather_s"], out["s2_4.P16.allreduce_s"] = f"{ag:.3f}", f"{ar:.3f}"
+    out["s2_4.P16.ratio"] = f"{ag / ar:.2f}"
     return out
+
+
+def _schedule_numbers(img: Path) -> dict[str, str]:
+    """The MG-WFBP trace-simulation numbers quoted in ``docs/reproduction.md``, read from the committed
+    ``sim_schedule_<model>.json`` (which :func:`check` compares with the code): every speed-up and group
+    count, the ratios and crossings the doc quotes."""
+    out: dict[str, str] = {}
+    speed: dict[tuple, float] = {}
+    for name in ("resnet50", "resnet152"):
+        dump = json.loads((img / f"sim_schedule_{name}.json").read_text())
+        for alg in ("ring", "dbtree"):
+            for r in dump[alg]:
+                at = f"sched.{name}.{alg}.N{r['N']}"
+                speed[(name, alg, r["N"], r["strategy"])] = r["speedup"]
+                out[f"{at}.{r['strategy']}"] = f"{r['speedup']:.2f}"
+                out[f"{at}.groups.{r['strategy']}"] = str(r["groups"])
+        ring = sorted({k[2] for k in speed if k[:2] == (name, "ring")})
+        # the largest ring size at which WFBP still beats one message, and the next (the curves cross between)
+        lo = max(N for N in ring if speed[(name, "ring", N, "wfbp")] > speed[(name, "ring", N, "single")])
+        out[f"sched.{name}.ring.wfbp_single_cross.lo"] = str(lo)
+        out[f"sched.{name}.ring.wfbp_single_cross.hi"] = str(ring[ring.index(lo) + 1])
+        out[f"sched.{name}.ring.one_message_from"] = str(min(
+            N for N in ring if out[f"sched.{name}.ring.N{N}.groups.mgwfbp"] == "1"))
+    for name, N in (("resnet50", 16), ("resnet50", 64), ("resnet152", 64)):
+        for base in ("wfbp", "single"):
+            out[f"sched.{name}.ring.N{N}.mgwfbp_over_{base}"] = (
+                f"{speed[(name, 'ring', N, 'mgwfbp')] / speed[(name, 'ring', N, base)]:.2f}")
+    for name, N in (("resnet50", 64), ("resnet50", 256), ("resnet152", 64)):
+        gain = speed[(name, "ring", N, "optimal")] / speed[(name, "ring", N, "mgwfbp")] - 1
+        out[f"sched.{name}.ring.N{N}.optimal_gain_pct"] = f"{100 * gain:.0f}"
+    return out
+
+
+def model_numbers(img: Path | str = "docs/img") -> dict[str, str]:
+    """Every model number ``docs/reproduction.md`` quotes, formatted as quoted, by key (see the module doc)."""
+    return {**_formula_numbers(), **_schedule_numbers(Path(img))}
+
+
+def rows(numbers: dict[str, str]) -> list[str]:
+    """``--rows``: the numbers grouped by key prefix, one line per group (``prefix: leaf value, ...``)."""
+    groups: dict[str, list[str]] = {}
+    for key, value in numbers.items():
+        prefix, _, leaf = key.rpartition(".")
+        groups.setdefault(prefix, []).append(f"{leaf} {value}")
+    return [f"{prefix}: " + ", ".join(cells) for prefix, cells in groups.items()]
+
+
+#: a quoted model number: digits (a range ``lo-hi`` or ``lo–hi``) right before ``<!--m:key-->``
+_QUOTED = re.compile(r"(\d[\d.]*(?:[-\u2013]\d[\d.]*)?)$")
+_KEY = re.compile(r"<!--m:([^>]*?)-->")
+
+
+def check_doc(doc: Path, img: Path | str = "docs/img") -> list[str]:
+    """Differences between the model numbers quoted in ``doc`` and :func:`model_numbers` (empty: none)."""
+    numbers = model_numbers(img)
+    text = doc.read_text()
+    bad = []
+    for m in _KEY.finditer(text):
+        key, line = m.group(1), text.count("\n", 0, m.start()) + 1
+        quoted = _QUOTED.search(text, max(0, m.start() - 40), m.start())
+        if key not in numbers:
+            bad.append(f"{doc}:{line}: unknown model key {key!r}")
+        elif quoted is None:
+            bad.append(f"{doc}:{line}: key {key!r} follows no number")
+        elif quoted.group(1).replace("\u2013", "-") != numbers[key]:
+            bad.append(f"{doc}:{line}: {key} quotes {quoted.group(1)}, the code computes {numbers[key]}")
+    return bad
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sparsync.sim.regenerate", description=__doc__.split("\n")[0])
     ap.add_argument("--img", default="docs/img", help="directory of the committed outputs")
-    ap.add_argument("--check", action="store_true", help="compare instead of writing (all executed P)")
-    ap.add_argument("--rows", action="store_true", help="print the model numbers quoted in docs/reproduction.md")
+    ap.add_argument("--doc", default="docs/reproduction.md",
+                    help="the document whose keyed model numbers --check compares")
+    ap.add_argument("--check", action="store_true",
+                    help="compare instead of writing (all executed P, and every keyed number of --doc)")
+    ap.add_argument("--rows", action="store_true",
+                    help="print the keyed model numbers docs/reproduction.md may quote ('prefix: leaf value')")
     a = ap.parse_args(argv)
     img = Path(a.img)
     if a.rows:
-        print("\n".join(reproduction_rows()))
+        print("\n".join(rows(model_numbers(img))))
         return 0
     if a.check:
-        bad = check(img, exec_ps=COLLECTIVES["exec_ps"])
+        doc = Path(a.doc)
+        if not doc.is_file():
+            print(f"--doc {doc}: no such file", file=sys.stderr)
+            return 2
+        bad = check_doc(doc, img) + check(img, exec_ps=COLLECTIVES["exec_ps"])
         for b in bad:
             print(b, file=sys.stderr)
-        print("all committed simulation outputs match the code" if not bad else f"{len(bad)} differences")
+        print("all committed simulation outputs and quoted model numbers match the code" if not bad
+              else f"{len(bad)} differences")
         return 1 if bad else 0
     regenerate(img)
     return 0
