@@ -265,7 +265,7 @@ def test_compare_writes_csv_json_and_load_runs(tmp_path, capsys):
 
     import sparsync.train as st
 
-    argv = ["compare", "--thread", "--no-baselines", "--configs", "dense;topka:0.05", "--workload", "digits-mlp",
+    argv = ["compare", "--thread", "--no-baselines", "--configs", "topka:0.05;dense", "--workload", "digits-mlp",
             "--workload-option", "width=32", "--steps", "5", "--eval-every", "5", "--workers", "2",
             "--target-accuracy", "0.999", "--runs-dir", str(tmp_path), "--name", "cmp", "--no-progress"]
     assert main(argv) == 0
@@ -274,8 +274,8 @@ def test_compare_writes_csv_json_and_load_runs(tmp_path, capsys):
     rows = list(csv.DictReader((root / "comparison.csv").open()))
     runs = st.load_runs(root)
     js = json.loads((root / "comparison.json").read_text())["runs"]
-    assert [r["label"] for r in rows] == [r["label"] for r in js] == sorted(r["label"] for r in runs) \
-        == ["dense (single)", "topka 0.05 (single)"]
+    assert [r["label"] for r in rows] == [r["label"] for r in js] == [r["label"] for r in runs] \
+        == ["topka 0.05 (single)", "dense (single)"]  # configuration order, not alphabetical
     by = {r["reducer"]: r for r in runs}
     assert by["dense"]["speedup_step"] == 1.0 and by["dense"]["time_to_target_s"] is None  # 0.999 not reached
     assert by["topka"]["speedup_step"] == pytest.approx(by["dense"]["median_step_s"] / by["topka"]["median_step_s"])
