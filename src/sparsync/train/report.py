@@ -167,6 +167,10 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
     return p
 
 
+#: bytes/density plots use a log axis only when the values span more than this factor
+LOG_SPAN = 10.0
+
+
 def _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir: Path) -> None:
     """step_breakdown.png (main thread vs reducer work per configuration), bytes_per_step.png and
     density.png (per step)."""
@@ -203,15 +207,17 @@ def _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir: Path) -> No
     for key, fname, ylabel, logy in (("bytes_sent", "bytes_per_step.png", "bytes sent per rank per step", True),
                                      ("density", "density.png", "achieved density", True)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
+        drawn = []
         for i, (s, m) in enumerate(runs):
             if key == "density" and _is_baseline(s):
                 continue  # density 1 by definition; drawn, it squeezes the sparse runs into the bottom
             pts = [(r["step"], r[key]) for r in m if isinstance(r.get(key), (int, float)) and r[key] > 0]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], label=s["label"], **_style(i, len(pts)))
+                drawn += [p[1] for p in pts]
         if key == "density" and any(_is_baseline(s) for s in summaries):
             ax.set_title("dense and torch DDP send every entry (density 1; not drawn)", fontsize=9)
-        if logy:
+        if logy and drawn and max(drawn) > LOG_SPAN * min(drawn):  # a narrow range on a log axis: unreadable ticks
             ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
