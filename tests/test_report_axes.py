@@ -13,7 +13,8 @@ def _axes_scales(tmp_path, density, nbytes):
 
     runs = [({"label": "micro 0.01", "reducer": "micro"},
              [{"step": i, "density": d, "bytes_sent": b} for i, (d, b) in enumerate(zip(density, nbytes))]),
-            ({"label": "dense", "reducer": "dense"}, [{"step": i, "density": 1.0, "bytes_sent": 4e6} for i in range(4)])]
+            ({"label": "dense", "reducer": "dense"},
+             [{"step": i, "density": 1.0, "bytes_sent": 4e6} for i in range(4)])]
     summaries = [s for s, _ in runs]
     scales = {}
     real = plt.subplots
@@ -44,3 +45,21 @@ def test_density_axis_linear_for_a_narrow_range_log_for_a_wide_one(tmp_path):
     s = _axes_scales(tmp_path, [0.05, 0.02, 0.01, 0.001], [4e4, 4.1e4, 4e4, 4e4])
     assert s["density.png"] == "log"
     assert (tmp_path / "density.png").stat().st_size > 1000
+
+
+def test_loopback_caveat_in_report(tmp_path):
+    import json
+
+    from sparsync.train.report import write_report
+
+    run = tmp_path / "micro"
+    run.mkdir()
+    summary = {"label": "micro 0.01", "name": "micro", "reducer": "micro", "network": "loopback", "workers": 2,
+               "steps": 2, "workload": "digits-mlp"}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps({"step": i, "time_s": 0.1 * (i + 1), "loss": 1.0,
+                                                             "density": 0.01, "bytes_sent": 100}) for i in range(2)))
+    md = write_report(tmp_path, [run], "t").read_text()
+    assert md.count("not bandwidth-limited") == 1
+    md = write_report(tmp_path, [run], "t", notes=["NOTE: running over LOOPBACK (no root)"]).read_text()
+    assert "not bandwidth-limited" not in md and "LOOPBACK" in md  # the caller said it already
