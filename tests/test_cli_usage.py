@@ -151,6 +151,8 @@ def test_deprecated_spellings_still_work(capsys):
     assert "deprecated; use --workers" in capsys.readouterr().err
     a = p.parse_args(["simulate", "collectives", "--beta", "8e-9", "--alpha", "50us"])
     assert a.bandwidth == "1gbit" and a.latency == pytest.approx(5e-5)
+    assert p.parse_args(["simulate", "collectives", "--beta", "1gbit"]).bandwidth == "1gbit"  # a rate works too
+    assert p.parse_args(["simulate", "collectives", "--beta", "125MB/s"]).bandwidth == "1gbit"
     assert p.parse_args(["train-linear", "--batch", "7"]).batch_size == 7
     assert p.parse_args(["train", "--bandwidth", "1Gb/s"]).bandwidth == "1gbit"  # canonical tc spelling
 
@@ -181,6 +183,22 @@ def test_every_help_shows_defaults_and_only_real_files():
         assert "spec/" not in text and "DESIGN.md" not in text, path
         seen += 1
     assert seen >= 14
+
+
+def test_every_option_has_help_and_no_sphinx_markup():
+    import argparse
+
+    for path, parser in _all_parsers(build_parser()):
+        for a in parser._actions:
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)):
+                assert a.help, (path, a.option_strings)
+        text = parser.format_help()
+        assert not re.search(r":[a-z]+:`|``", text), path  # :mod:`x` / ``x`` from docstrings
+    assert "overrides --batch-size" in _help("train-linear")
+
+
+def _help(name):
+    return build_parser()._subparsers._group_actions[0].choices[name].format_help()
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "--workers WORKERS" in text and "(default: 4)" in text and "(default: single)" in text
 

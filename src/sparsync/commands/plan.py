@@ -33,12 +33,12 @@ import json
 import os
 import sys
 
-from . import DENSITY, DURATION, NAMES, NETWORK, RATE, WORKERS, UsageError
+from . import DENSITY, DURATION, NAMES, NETWORK, RATE, WORKERS, UsageError, doc_text
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="merge plan + predicted iteration time per strategy; rank reducers",
-                              description=__doc__.split("\n", 1)[1].strip().replace("``", "`"))
+                              description=doc_text(__doc__.split("\n", 1)[1].strip()))
     p.add_argument("--model", default="digits-mlp", help="a built-in model (see --list) or pkg.module:factory")
     p.add_argument("--input-shape", default=None,
                    help="one sample's shape for --model pkg.module:factory, e.g. 3,32,32")
