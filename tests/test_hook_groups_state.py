@@ -189,3 +189,23 @@ def test_sparseddp_gathered_state_resumes_bitwise_and_other_rank_refused():
         assert res[r]["stamp"] == (r, 2)
         assert torch.equal(res[r]["straight"], res[r]["resumed"]), f"rank {r}: gathered resume is not bitwise"
     assert "saved by rank 0" in res[1]["refused"]
+
+
+def _reducer_state(comm):
+    from sparsync import rankstate
+
+    r = ss.make_reducer("topka", comm, density=0.1)
+    r.reduce(torch.randn(200, generator=torch.Generator().manual_seed(comm.rank)))
+    states = rankstate.gather(r.state_dict(), comm)["states"]
+    fresh = ss.make_reducer("topka", comm, density=0.1)
+    fresh.load_state_dict(states[comm.rank])
+    try:
+        ss.make_reducer("topka", comm, density=0.1).load_state_dict(states[1 - comm.rank])
+    except ValueError as e:
+        return torch.equal(fresh.residual.cpu(), r.residual.cpu()), str(e)
+    return None
+
+
+def test_bare_reducer_state_is_per_rank():
+    for same, msg in ss.run_local(_reducer_state, 2, backend="thread", timeout=30):
+        assert same and "saved by rank" in msg

@@ -39,17 +39,18 @@ def is_gathered(state) -> bool:
     return isinstance(state, dict) and GATHERED_KEY in state
 
 
-def own(state, rank: int | None, world_size: int | None, what: str) -> dict:
+def own(state, rank: int | None, world_size: int | None, what: str, warn: bool = True) -> dict:
     """This rank's state from ``state`` (a stamped or unstamped state, or the gathered form).
 
-    Raises ``ValueError`` for another rank's state of the same world size, or a gathered form
-    without this rank; warns for a state from another world size."""
+    Raises ``ValueError`` for another rank's state of the same world size; warns (``warn``) for a
+    state from another world size; None for a gathered form without this rank."""
     if is_gathered(state):
         states = state["states"]
         if rank is None:
             raise ValueError(f"{what}: a gathered state (every rank's) needs to know this rank; "
                              "load it after the process group is set up")
         if int(state.get("world_size", len(states))) != world_size:
+            warn = False  # said here, once
             warnings.warn(f"{what}: the state was gathered from {len(states)} ranks, this run has {world_size}; "
                           "ranks without a saved state start fresh (not a bitwise resume)", stacklevel=3)
         if rank >= len(states):
@@ -59,8 +60,9 @@ def own(state, rank: int | None, world_size: int | None, what: str) -> dict:
         return state
     saved_rank, saved_ws = int(state["rank"]), int(state.get("world_size", -1))
     if saved_ws != world_size:
-        warnings.warn(f"{what}: state saved by rank {saved_rank} of {saved_ws}, loaded on rank {rank} of "
-                      f"{world_size}: residuals follow the rank number (not a bitwise resume)", stacklevel=3)
+        if warn:
+            warnings.warn(f"{what}: state saved by rank {saved_rank} of {saved_ws}, loaded on rank {rank} of "
+                          f"{world_size}: residuals follow the rank number (not a bitwise resume)", stacklevel=3)
     elif saved_rank != rank:
         raise ValueError(f"{what}: this is rank {rank}, but the state was saved by rank {saved_rank} (of {saved_ws}); "
                          "error-feedback state is per rank - save every rank's with gathered_state_dict() "
