@@ -65,3 +65,23 @@ def test_hf_trainer_callback(tmp_path):
     res = _torchrun("hf_train.py", tmp_path)
     _check(res)
     assert res[0]["find_unused"] is True  # the Trainer's default: the hook's own group keeps it deadlock-free
+
+
+@pytest.mark.parametrize("mod,client", [("lightning", "lightning"), ("accelerate", "accelerate"),
+                                        ("hf", "transformers")])
+def test_missing_client_is_one_line_and_package_imports_none(mod, client):
+    code = ("import sys\n"
+            "for m in ('lightning', 'lightning.pytorch', 'pytorch_lightning', 'accelerate', 'transformers'):\n"
+            "    sys.modules[m] = None  # as if not installed\n"
+            "import sparsync.integrations\n"
+            "assert not any(k.split('.')[0] in ('lightning', 'accelerate', 'transformers') and sys.modules[k]\n"
+            "               for k in list(sys.modules))\n"
+            "try:\n"
+            f"    import sparsync.integrations.{mod}\n"
+            "except ImportError as e:\n"
+            "    print(e)\n")
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    msg = out.stdout.strip()
+    assert f"pip install {client}" in msg and "\n" not in msg, msg

@@ -25,12 +25,12 @@ import warnings
 from . import GatheredState, register, require
 
 try:
-    _pl = require("lightning.pytorch", "lightning")
+    import lightning.pytorch as _pl
 except ImportError:
     try:
-        _pl = require("pytorch_lightning", "pytorch_lightning")
+        import pytorch_lightning as _pl  # the standalone package
     except ImportError:
-        _pl = require("lightning.pytorch", "lightning")  # the error names the current package
+        _pl = require("lightning.pytorch", "lightning")  # raises, naming the package to install
 
 CHECKPOINT_KEY = "sparsync_hook"
 
