@@ -8,6 +8,7 @@ import torch
 import sparsync as ss
 from sparsync.reducers.gtopk import GTopkReducer
 from sparsync.reducers.oktopk import OkTopkReducer
+from sparsync.reducers.topka import TopkAReducer
 from sparsync.reducers.topkdsa import TopkDSAReducer
 from test_spardl_reducer import _run_configs
 
@@ -70,8 +71,10 @@ def test_table1_bounds(P):
         lo, hi = OkTopkReducer.table_cost(P, k)["units"]  # Table I (paper), in bytes of 4-byte units
         assert 4 * lo - 1e-9 <= nbytes <= 4 * hi, (nbytes, lo, hi)
     # TopkA (foundation): 2(P-1)k units + one 8-byte stream count per gathered item
-    for _rounds, nbytes, _ in ss.run_local(_ledger, P, "topka", n, density):
+    pred = TopkAReducer.predicted_cost(P, n, k)  # the formula `sparsync plan` uses
+    for rounds, nbytes, _ in ss.run_local(_ledger, P, "topka", n, density):
         assert nbytes == (P - 1) * (8 + 8 * k) and (nbytes - 8 * (P - 1)) / 4 == 2 * (P - 1) * k
+        assert {"rounds": rounds, "bytes_received": nbytes} == pred
     if P & (P - 1) == 0:
         pred = GTopkReducer.predicted_cost(P, n, k)
         res = ss.run_local(_ledger, P, "gtopk", n, density)

@@ -151,6 +151,8 @@ def test_deprecated_spellings_still_work(capsys):
     assert "deprecated; use --workers" in capsys.readouterr().err
     a = p.parse_args(["simulate", "collectives", "--beta", "8e-9", "--alpha", "50us"])
     assert a.bandwidth == "1gbit" and a.latency == pytest.approx(5e-5)
+    assert p.parse_args(["simulate", "collectives", "--beta", "1gbit"]).bandwidth == "1gbit"  # a rate works too
+    assert p.parse_args(["simulate", "collectives", "--beta", "125MB/s"]).bandwidth == "1gbit"
     assert p.parse_args(["train-linear", "--batch", "7"]).batch_size == 7
     assert p.parse_args(["train", "--bandwidth", "1Gb/s"]).bandwidth == "1gbit"  # canonical tc spelling
 
@@ -181,6 +183,22 @@ def test_every_help_shows_defaults_and_only_real_files():
         assert "spec/" not in text and "DESIGN.md" not in text, path
         seen += 1
     assert seen >= 14
+
+
+def test_every_option_has_help_and_no_sphinx_markup():
+    import argparse
+
+    for path, parser in _all_parsers(build_parser()):
+        for a in parser._actions:
+            if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction, argparse._VersionAction)):
+                assert a.help, (path, a.option_strings)
+        text = parser.format_help()
+        assert not re.search(r":[a-z]+:`|``", text), path  # :mod:`x` / ``x`` from docstrings
+    assert "overrides --batch-size" in _help("train-linear")
+
+
+def _help(name):
+    return build_parser()._subparsers._group_actions[0].choices[name].format_help()
     text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "--workers WORKERS" in text and "(default: 4)" in text and "(default: single)" in text
 
@@ -265,7 +283,7 @@ def test_compare_writes_csv_json_and_load_runs(tmp_path, capsys):
 
     import sparsync.train as st
 
-    argv = ["compare", "--thread", "--no-baselines", "--configs", "dense;topka:0.05", "--workload", "digits-mlp",
+    argv = ["compare", "--thread", "--no-baselines", "--configs", "topka:0.05;dense", "--workload", "digits-mlp",
             "--workload-option", "width=32", "--steps", "5", "--eval-every", "5", "--workers", "2",
             "--target-accuracy", "0.999", "--runs-dir", str(tmp_path), "--name", "cmp", "--no-progress"]
     assert main(argv) == 0
@@ -274,8 +292,8 @@ def test_compare_writes_csv_json_and_load_runs(tmp_path, capsys):
     rows = list(csv.DictReader((root / "comparison.csv").open()))
     runs = st.load_runs(root)
     js = json.loads((root / "comparison.json").read_text())["runs"]
-    assert [r["label"] for r in rows] == [r["label"] for r in js] == sorted(r["label"] for r in runs) \
-        == ["dense (single)", "topka 0.05 (single)"]
+    assert [r["label"] for r in rows] == [r["label"] for r in js] == [r["label"] for r in runs] \
+        == ["topka 0.05 (single)", "dense (single)"]  # configuration order, not alphabetical
     by = {r["reducer"]: r for r in runs}
     assert by["dense"]["speedup_step"] == 1.0 and by["dense"]["time_to_target_s"] is None  # 0.999 not reached
     assert by["topka"]["speedup_step"] == pytest.approx(by["dense"]["median_step_s"] / by["topka"]["median_step_s"])

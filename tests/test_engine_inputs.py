@@ -313,6 +313,26 @@ def test_plan_cli(capsys):
     assert main(["plan", "--model", "tower", "--a", "1e-3"]) == 2
 
 
+def test_plan_ties_and_missing_formula(capsys):
+    import json as _json
+
+    from sparsync.cli import main
+
+    # one given cost model for every reducer: identical predictions, all tied with the fastest
+    assert main(["plan", "--model", "tower", "--steps", "2", "--reducers", "topka,micro,dense",
+                 "--a", "1e-3", "--b", "1e-9", "--json"]) == 0
+    assert all(x["tied_with_fastest"] for x in _json.loads(capsys.readouterr().out)["ranking"])
+    # formulas on a slow link: dense is far behind (no tie); ps has no formula and says so; topka has one
+    assert main(["plan", "--model", "tower", "--steps", "2", "--reducers", "dense,topka,ps",
+                 "--bandwidth", "100mbit"]) == 0
+    out = capsys.readouterr().out
+    assert "ps: no alpha-beta formula" in out and "formula topka" in out
+    assert main(["plan", "--model", "tower", "--steps", "2", "--reducers", "dense,topka",
+                 "--bandwidth", "100mbit", "--json"]) == 0
+    rank = {x["reducer"]: x["tied_with_fastest"] for x in _json.loads(capsys.readouterr().out)["ranking"]}
+    assert rank == {"topka": True, "dense": False}
+
+
 def test_sparse_path_nan_and_unused_embedding_no_hang():
     """A sparse-path parameter that is unused or non-finite on one rank still makes the same calls."""
     from sparsync.reducers.registry import load_all

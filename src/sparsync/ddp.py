@@ -26,7 +26,8 @@ What it does (``spec/mgwfbp.md`` §5, issue 6):
 * sparse gradients (``nn.Embedding(sparse=True)``) are densified into their group, or — when the
   reducer has a ``reduce_sparse(coo)`` method — sent alone through it.
 
-Also here: :func:`ddp_hook`, the adapter that puts a sparsync reducer on torch DDP's buckets.
+The adapter that puts a sparsync reducer on torch DDP's buckets, :func:`ddp_hook` / :class:`DDPHook`,
+lives in :mod:`sparsync.commhook` and is importable from here too.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import contextlib
 import torch
 from torch import nn
 
+from . import rankstate
+from .commhook import DDPHook, ddp_hook
 from .schedule.engine import OverlapEngine
-from .schedule.worker import CommWorker
 
 __all__ = ["DDPHook", "SparseDDP", "agree_steps", "ddp_hook"]
 
@@ -219,18 +221,40 @@ class SparseDDP(nn.Module):
     # any nn.Module). The engine state (plan, reducers' residuals/thresholds/controllers/steps,
     # the policy's state) is this module's *extra state*: key ``<prefix>_extra_state``.
     def get_extra_state(self) -> dict:
+        if getattr(self, "_gather_state", False):
+            return self.gathered_sparsync_state_dict()
         return self.sparsync_state_dict()
 
     def set_extra_state(self, state) -> None:
         self.load_sparsync_state_dict(state)
 
     def sparsync_state_dict(self) -> dict:
-        """The engine state alone (no model tensors, no process group): what ``_extra_state`` holds."""
-        return self._engine.state_dict()
+        """The engine state alone (no model tensors, no process group): what ``_extra_state`` holds.
+        Per rank (residuals): it records ``rank`` and ``world_size``, and loading it on another rank
+        raises ``ValueError`` (see :mod:`sparsync.rankstate`)."""
+        return rankstate.stamp(self._engine.state_dict(), self.comm.rank, self.comm.world_size)
+
+    def gathered_sparsync_state_dict(self) -> dict:
+        """Every rank's :meth:`sparsync_state_dict` in one object, the same on every rank (a
+        collective): for a checkpoint that one rank writes; :meth:`load_sparsync_state_dict` takes it."""
+        return rankstate.gather(self.sparsync_state_dict(), self.comm)
+
+    def gathered_state_dict(self, *args, **kwargs) -> dict:
+        """``state_dict()`` with every rank's sparsync state in ``_extra_state`` (a collective; the
+        same on every rank), for a checkpoint that one rank writes: ``load_state_dict`` of it gives
+        each rank its own state. Arguments as ``nn.Module.state_dict``."""
+        self._gather_state = True
+        try:
+            return self.state_dict(*args, **kwargs)
+        finally:
+            self._gather_state = False
 
     def load_sparsync_state_dict(self, state: dict) -> None:
         if isinstance(state, dict) and "sparsync" in state and "reducers" not in state:
             state = state["sparsync"]  # the pre-0.2 layout {"module", "sparsync"}
+        state = rankstate.own(state, self.comm.rank, self.comm.world_size, "SparseDDP")
+        if state is None:
+            raise ValueError(f"SparseDDP: the gathered state has no entry for rank {self.comm.rank}")
         if not isinstance(state, dict) or "reducers" not in state:
             raise ValueError("expected the dict returned by SparseDDP.sparsync_state_dict() "
                              f"(the '_extra_state' entry of SparseDDP.state_dict()), got {type(state).__name__}")
@@ -353,237 +377,3 @@ def _sparse_grad_params(module) -> set:
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False):
             ids.add(id(m.weight))
     return ids
-
-
-# ---------------------------------------------------------------------- torch DDP adapter
-class DDPHook:
-    """Comm hook for ``torch.nn.parallel.DistributedDataParallel`` running a sparsync reducer per bucket.
-
-    ``model.register_comm_hook(state, ss.ddp_hook("topka", density=0.01))``: ``state`` may be None
-    (a ``TorchComm`` over DDP's default group is created on first use), a sparsync ``Comm``, a
-    process group, or the DDP model itself (its ``process_group`` is used). One reducer per bucket
-    index (``bucket.index()``).
-
-    **Asynchronous** (default), like torch's ``allreduce_hook`` / ``powerSGD_hook``: the hook
-    returns at once a ``torch.futures.Future`` that completes when the bucket's reduction is done;
-    the reduction (error feedback, selection, the collectives, ``sum / P`` written into the
-    bucket) runs on one FIFO communication thread per hook, so DDP keeps computing backward and
-    launching later buckets meanwhile. DDP launches buckets in index order on every rank, and the
-    FIFO thread keeps that order, so every rank issues identical collectives in identical order and
-    the result stays bitwise identical across ranks (and bitwise equal to ``asynchronous=False``,
-    where the reduction runs inside the hook). With ``find_unused_parameters=True`` DDP issues its
-    own all-reduce during backward; give the hook its own group then (``state=dist.new_group()``).
-
-    **State**, saved like PowerSGD's: ``torch.save(hook, f)`` pickles the hook's state without the
-    process group, worker thread or module (``hook.state_dict()`` / ``load_state_dict`` give the
-    same as a dict); ``hook = torch.load(f, weights_only=False)`` and register it again
-    (``model.register_comm_hook(model, hook)`` gives it the module for the per-parameter layout).
-
-    DDP lays its buckets out in one order in the first iteration and rebuilds them in gradient-ready
-    order after it, so a bucket's contents can move. The hook therefore needs to know the model's
-    parameters to keep residuals right across a rebuild or a resume: pass ``module=`` to
-    :func:`ddp_hook` (or the DDP model as ``state``). It then records each bucket's layout (parameter
-    indices of ``module.parameters()``), and ``state_dict()`` stores residuals **per parameter**; a
-    reducer created for a new layout gets its residual re-assembled from those pieces (other reducer
-    state is kept only when the layout is unchanged). After a load, a bucket tiled exactly by saved
-    buckets (DDP's first iteration, before its rebuild) is reduced part by part with the saved
-    reducers, so a resume is bitwise. Without a module, a bucket whose size changes
-    gets a fresh reducer and a loaded state is used only for a bucket of the same size - correct only
-    if the layout did not change (a warning says so).
-    """
-
-    def __init__(self, reducer: str, density: float = 0.01, module=None, asynchronous: bool = True, **options):
-        from .reducers.registry import load_all
-
-        if reducer not in load_all():
-            raise ValueError(f"unknown reducer {reducer!r}; valid: {', '.join(sorted(load_all()))}")
-        self.reducer_name = reducer
-        self.__name__ = self.__qualname__ = f"sparsync_{reducer}_hook"  # torch DDP reads these
-        self.density = density
-        self.options = options
-        self.asynchronous = bool(asynchronous)
-        self.comm = None
-        self.module = module
-        self._pindex = None
-        self._worker = None
-        self.reducers: dict[int, object] = {}
-        self.layouts: dict[int, list | None] = {}
-        self._pending: dict | None = None
-        self.last_stats: dict = {}
-
-    def __getstate__(self):
-        return {"reducer": self.reducer_name, "density": self.density, "options": dict(self.options),
-                "asynchronous": self.asynchronous, "state": self.state_dict()}
-
-    def __setstate__(self, d):
-        self.__init__(d["reducer"], d["density"], asynchronous=d.get("asynchronous", True), **d["options"])
-        self.load_state_dict(d["state"])
-
-    def close(self) -> None:
-        """Stop the communication thread (a later call starts a new one)."""
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
-
-    def _comm_for(self, state):
-        if self.comm is None:
-            if isinstance(state, nn.Module):
-                if self.module is None:
-                    self.module = state
-                state = getattr(state, "process_group", None)
-            self.comm = _as_comm(state)
-        return self.comm
-
-    def _layout(self, bucket):
-        if self.module is None:
-            return None
-        if self._pindex is None:
-            self._pindex = {id(p): i for i, p in enumerate(self.module.parameters())}
-        try:
-            return [self._pindex[id(p)] for p in bucket.parameters()]
-        except KeyError:
-            return None
-
-    def _new_reducer(self, idx, numel, layout):
-        from .reducers.registry import make_reducer
-
-        r = make_reducer(self.reducer_name, self.comm, self.density, **self.options)
-        pend = self._pending
-        if pend is None:
-            return r
-        saved = pend["buckets"].get(idx)
-        if saved is not None and saved.get("layout") == layout and saved["state"].get("numel") in (None, numel):
-            if layout is None:
-                import warnings
-
-                warnings.warn("sparsync ddp_hook: loading bucket state without a module; correct only if DDP's "
-                              "bucket layout is unchanged (pass module= to ddp_hook)", stacklevel=3)
-            r.load_state_dict(saved["state"])
-        elif layout is not None and pend.get("per_param"):
-            pieces = pend["per_param"]
-            if all(i in pieces for i in layout):
-                r.residual = torch.cat([pieces[i].reshape(-1) for i in layout]).to(self.comm.device)
-                r.numel = r.residual.numel()
-            r.step = int(pend.get("step", 0))
-        return r
-
-    def __call__(self, state, bucket):
-        comm = self._comm_for(state)
-        fut = torch.futures.Future()
-
-        def job():
-            try:
-                fut.set_result(self._reduce_bucket(comm, bucket))
-            except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
-                fut.set_exception(e)
-
-        if not self.asynchronous:
-            job()
-            return fut
-        if self._worker is None:
-            self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
-        self._worker.submit(job)
-        return fut
-
-    def _reduce_bucket(self, comm, bucket):
-        """Reduce one bucket in place: ``bucket.buffer() := sum over ranks / P`` (one write pass)."""
-        buf = bucket.buffer()
-        idx = int(bucket.index())
-        layout = self._layout(bucket)
-        parts = self._saved_parts(idx, layout)
-        if parts is not None:
-            self._reduce_saved_parts(comm, buf, layout, parts)
-            self._finish_bucket(bucket)
-            return buf
-        r = self.reducers.get(idx)
-        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
-            if r is not None and self._pending is None and layout is not None:
-                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
-            r = self._new_reducer(idx, buf.numel(), layout)
-            self.reducers[idx] = r
-            self.layouts[idx] = layout
-        flat = buf.reshape(-1)
-        out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
-        torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
-        self.last_stats[idx] = dict(r.stats)
-        self._finish_bucket(bucket)
-        return buf
-
-    def _finish_bucket(self, bucket):
-        if bucket.is_last():
-            self._pending = None if all(i in self.reducers for i in (self._pending or {}).get("buckets", {})) \
-                else self._pending
-
-    def _saved_parts(self, idx, layout):
-        """After a load: the saved buckets that tile this bucket exactly, when this bucket's layout is
-        not a saved one (DDP's first iteration after construction has its own layout, before the
-        rebuild). Reducing those parts with their saved reducers, in saved index order, is what the
-        uninterrupted run did - so a resume is bitwise whatever DDP's initial layout."""
-        pend = self._pending
-        if pend is None or layout is None:
-            return None
-        saved = {i: b.get("layout") for i, b in pend["buckets"].items() if b.get("layout") is not None}
-        if saved.get(idx) == layout:
-            return None
-        want = set(layout)
-        parts = sorted(i for i, lay in saved.items() if set(lay) <= want)
-        if sorted(j for i in parts for j in saved[i]) != sorted(layout):
-            return None
-        return [(i, saved[i]) for i in parts]
-
-    def _reduce_saved_parts(self, comm, buf, layout, parts):
-        sizes = self._param_sizes()
-        offsets, off = {}, 0
-        for j in layout:
-            offsets[j] = off
-            off += sizes[j]
-        flat = buf.reshape(-1)
-        for i, lay in parts:
-            index = torch.cat([torch.arange(offsets[j], offsets[j] + sizes[j], device=flat.device) for j in lay])
-            r = self.reducers.get(i)
-            if r is None or self.layouts.get(i) != lay:
-                r = self._new_reducer(i, index.numel(), lay)
-                self.reducers[i], self.layouts[i] = r, lay
-            x = flat[index]
-            out = r.reduce(x if x.dtype.is_floating_point else x.float())
-            flat[index] = (out / comm.world_size).to(flat.dtype)
-            self.last_stats[i] = dict(r.stats)
-
-    def _param_sizes(self):
-        return [p.numel() for p in self.module.parameters()] if self.module is not None else None
-
-    def state_dict(self) -> dict:
-        """Reducer state per bucket (+ residual pieces per parameter when the module is known)."""
-        buckets = {i: {"state": r.state_dict(), "layout": self.layouts.get(i)} for i, r in self.reducers.items()}
-        per_param, step = {}, 0
-        sizes = self._param_sizes()
-        for i, r in self.reducers.items():
-            step = max(step, r.step)
-            lay = self.layouts.get(i)
-            if lay is not None and r.residual is not None:
-                for pi, piece in zip(lay, torch.split(r.residual.detach().cpu(), [sizes[j] for j in lay])):
-                    per_param[pi] = piece.clone()
-        if self._pending:  # buckets not seen since a load keep their saved state
-            for i, b in self._pending["buckets"].items():
-                buckets.setdefault(i, b)
-            for pi, piece in self._pending.get("per_param", {}).items():
-                per_param.setdefault(pi, piece)
-        return {"reducer": self.reducer_name, "buckets": buckets, "per_param": per_param, "step": step}
-
-    def load_state_dict(self, d: dict) -> None:
-        if d.get("reducer") != self.reducer_name:
-            raise ValueError(f"hook state is for reducer {d.get('reducer')!r}, not {self.reducer_name!r}")
-        self._pending = {"buckets": dict(d["buckets"]), "per_param": dict(d.get("per_param") or {}),
-                         "step": int(d.get("step", 0))}
-        self.reducers = {}
-        self.layouts = {}
-
-
-def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, asynchronous: bool = True,
-             **options) -> DDPHook:
-    """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
-
-    ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
-    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook (no overlap).
-    """
-    return DDPHook(reducer, density, module=module, asynchronous=asynchronous, **options)

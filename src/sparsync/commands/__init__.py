@@ -8,6 +8,7 @@ Nothing here imports torch: ``sparsync --help`` builds every parser without it.
 from __future__ import annotations
 
 import argparse
+import re
 
 from ..units import format_rate, parse_count, parse_duration, parse_rate
 
@@ -78,6 +79,11 @@ class _Deprecated(argparse.Action):
 
         print(f"note: {option_string} is deprecated; use {self.metavar}", file=sys.stderr)
         setattr(namespace, self.dest, values)
+
+
+def doc_text(doc: str) -> str:
+    """A docstring as ``--help`` text: Sphinx roles (``:mod:`x```) and double backquotes become `x`."""
+    return re.sub(r":[a-z]+:`", "`", doc).replace("``", "`")
 
 
 def deprecated_alias(parser, old: str, new: str, dest: str, type=None) -> None:  # noqa: A002

@@ -16,7 +16,7 @@ import sys
 import time
 
 
-from . import COUNT, COUNTS, DENSITIES, DENSITY, NAMES, NETWORKS, WORKERS_LIST, UsageError, deprecated_alias
+from . import COUNT, COUNTS, DENSITIES, DENSITY, NAMES, NETWORKS, WORKERS_LIST, UsageError, deprecated_alias, doc_text
 
 
 def _common(p) -> None:
@@ -27,7 +27,7 @@ def _common(p) -> None:
                         "emulated cluster, e.g. '1gbit', '100mbit', 'none' (namespaces, no limit)")
     p.add_argument("--fallback-loopback", action="store_true",
                    help="when the emulated cluster cannot be built (no root), warn and use loopback")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--timeout", type=float, default=600.0, help="per run_local timeout in seconds")
     p.add_argument("--csv", metavar="FILE", help="write every row to this CSV file")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
@@ -201,7 +201,7 @@ def _gather_routes(args) -> int:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmarks: sparse all-reduce algorithms, reducers",
-                              description=__doc__)
+                              description=doc_text(__doc__))
     sub = p.add_subparsers(dest="bench_command", metavar="WHAT")
 
     a = sub.add_parser("allreduce", help="dense all-reduce vs lossless sparse all-reduce algorithms")
@@ -223,7 +223,7 @@ def register(subparsers) -> None:
     _common(r)
     r.add_argument("--reducers", default="dense,topka", help="comma list or 'all' (dense is always added)")
     r.add_argument("--numel", type=COUNT, default="1e7", help="gradient length")
-    r.add_argument("--density", type=DENSITY, default=0.01)
+    r.add_argument("--density", type=DENSITY, default=0.01, help="fraction of entries each sparse reducer sends")
     r.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     r.add_argument("--pattern", default="normal",
@@ -251,7 +251,7 @@ def register(subparsers) -> None:
     v.add_argument("--rev", required=True, help="git revision to compare with (e.g. a commit hash)")
     v.add_argument("--reducers", default="micro", help="comma list of reducers present in both revisions")
     v.add_argument("--numel", type=COUNT, default="1e7", help="gradient length")
-    v.add_argument("--density", type=DENSITY, default=0.01)
+    v.add_argument("--density", type=DENSITY, default=0.01, help="fraction of entries each sparse reducer sends")
     v.add_argument("--steps", type=int, default=12, help="timed steps (default 12)")
     v.add_argument("--warmup", type=int, default=3, help="untimed steps (default 3)")
     v.add_argument("--pattern", default="heavy_tail", help="gradients: 'heavy_tail' (default) or 'normal'")

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import sys
 
-from . import UsageError
+from . import UsageError, doc_text
 
 
 def register(subparsers) -> None:
     from . import COUNT, COUNTS, DENSITIES, DENSITY, NAMES, NETWORK, WORKERS, WORKERS_LIST, deprecated_alias
 
     p = subparsers.add_parser("bench-select", help="selection cost and density of MiCRO / threshold sparsifiers",
-                              description=__doc__.split("\n\n")[0].replace("``", "`"))
+                              description=doc_text(__doc__.split("\n\n")[0]))
     p.add_argument("--parts", type=NAMES, default="selection,trace,comm",
                    help="comma list of exact, selection, trace, comm")
     p.add_argument("--sizes", type=COUNTS, default="1e6,1e7,1e8",

@@ -82,8 +82,10 @@ def _cleanup(args) -> int:
 
 
 def register(subparsers) -> None:
+    from . import doc_text
+
     p = subparsers.add_parser("cluster", help="emulated bandwidth-limited cluster (network namespaces)",
-                              description=__doc__)
+                              description=doc_text(__doc__))
     sub = p.add_subparsers(dest="cluster_command", metavar="ACTION")
     s = sub.add_parser("smoke", help="all-reduce on an emulated cluster and print the throughput")
     from . import NETWORK, WORKERS, deprecated_alias
@@ -94,8 +96,8 @@ def register(subparsers) -> None:
                    help="per-link rate, e.g. 1gbit, 100mbit; 'none' = namespaces without a limit; "
                         "'loopback' = no namespaces (default 1gbit)")
     s.add_argument("--numel", default="2.5e6", help="float32 elements to all-reduce (default 2.5e6 = 10 MB)")
-    s.add_argument("--repeats", type=int, default=3)
-    s.add_argument("--timeout", type=float, default=120.0)
+    s.add_argument("--repeats", type=int, default=3, help="timed all-reduces")
+    s.add_argument("--timeout", type=float, default=120.0, help="seconds before the ranks are stopped")
     s.add_argument("--fallback-loopback", action="store_true",
                    help="run on loopback (with a warning) when namespaces cannot be created")
     s.set_defaults(func=_smoke)

@@ -22,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from . import DENSITY, UsageError
+from . import DENSITY, UsageError, doc_text
 from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
@@ -76,7 +76,7 @@ def config_slug(c: dict) -> str:
 
 def register(sub) -> None:
     p = sub.add_parser("compare", help="run several configurations and write a report",
-                       description=__doc__.split("\n", 1)[1].strip().replace("``", "`"))
+                       description=doc_text(__doc__.split("\n", 1)[1].strip()))
     add_common(p, compare=True)
     p.add_argument("--configs", default="dense;ddp;ddp-fp16;topka:0.01",
                    help='";"-separated NAME[:DENSITY][,merge=PLAN][,key=value] (default %(default)s)')

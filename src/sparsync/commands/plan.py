@@ -21,8 +21,9 @@ to the formula or to the measurements.
 
 ``--reducers a,b,c`` prints one row per reducer, fastest first: best merge plan, predicted
 iteration, non-overlapped communication, bytes received per rank per step (formula), cost model and
-R^2. A prediction of one step, not of time to accuracy: a sparse reducer may need more steps
-(docs/choosing.md).
+R^2; a note names the reducers within 1 ms or 1 % of the fastest (a tie: their order means nothing)
+and those without a formula (ranked with the dense all-reduce's). A prediction of one step, not of
+time to accuracy: a sparse reducer may need more steps (docs/choosing.md).
 """
 
 from __future__ import annotations
@@ -32,12 +33,12 @@ import json
 import os
 import sys
 
-from . import DENSITY, DURATION, NAMES, NETWORK, RATE, WORKERS, UsageError
+from . import DENSITY, DURATION, NAMES, NETWORK, RATE, WORKERS, UsageError, doc_text
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("plan", help="merge plan + predicted iteration time per strategy; rank reducers",
-                              description=__doc__.split("\n", 1)[1].strip().replace("``", "`"))
+                              description=doc_text(__doc__.split("\n", 1)[1].strip()))
     p.add_argument("--model", default="digits-mlp", help="a built-in model (see --list) or pkg.module:factory")
     p.add_argument("--input-shape", default=None,
                    help="one sample's shape for --model pkg.module:factory, e.g. 3,32,32")
@@ -209,6 +210,7 @@ def _run(args) -> int:
     chosen = focus["rows"][args.merge]["groups"]
     named_groups = [[params[prof.order[k]][0] for k in range(i, j)] for i, j in chosen]
     if args.json:
+        tied = _tied_with_fastest(ranking) if len(ranking) > 1 else []
         print(json.dumps({
             "model": args.model, "workers": args.workers, "network": network, "forward_s": t_f,
             "tensors": len(params), "bytes": sum(sizes), "numel": numel,
@@ -216,6 +218,7 @@ def _run(args) -> int:
                          "iteration_s": x["rows"][x["best_merge"]]["iteration_s"],
                          "non_overlapped_s": x["rows"][x["best_merge"]]["non_overlapped_s"],
                          "bytes_received": x["bytes_received"], "cost_model": x["cost_model"].to_dict(),
+                         "tied_with_fastest": x["reducer"] in tied,
                          "strategies": _strategies_json(x["rows"])} for x in ranking],
             "cost_model": focus["cost_model"].to_dict(), "strategies": _strategies_json(focus["rows"]),
             "merge": args.merge, "reducer": focus["reducer"], "groups": named_groups}, indent=1))
@@ -283,6 +286,20 @@ def _rank(args, reducers, t_b, sizes, numel, t_f) -> list[dict]:
     return ranking
 
 
+#: predicted steps this close to the fastest one are reported as a tie
+TIE_S, TIE_REL = 1e-3, 0.01
+
+
+def _step(x) -> float:
+    return x["rows"][x["best_merge"]]["iteration_s"]
+
+
+def _tied_with_fastest(ranking) -> list[str]:
+    """The reducers (ranking order) whose predicted step is within TIE_S or TIE_REL of the fastest."""
+    best = _step(ranking[0])
+    return [x["reducer"] for x in ranking if _step(x) - best <= max(TIE_S, TIE_REL * best)]
+
+
 def _strategies_json(rows) -> dict:
     return {s: {k: v for k, v in r.items() if k != "groups"} | {"n_groups": len(r["groups"])}
             for s, r in rows.items()}
@@ -302,6 +319,15 @@ def _print_text(args, ranking, focus, sizes, named_groups) -> None:
         if not args.measure and args.a is None:
             print("(formula cost models count communication only; --measure loopback|RATE includes each "
                   "reducer's selection time on this machine. One step, not time to accuracy: docs/choosing.md)")
+            borrowed = [x["reducer"] for x in ranking if "no formula" in x["cost_model"].source]
+            if borrowed:
+                print(f"({', '.join(borrowed)}: no alpha-beta formula; ranked with the dense ring all-reduce's cost "
+                      "model - --measure loopback|RATE gives a real one)")
+        tied = _tied_with_fastest(ranking)
+        if len(tied) > 1:
+            best = _step(ranking[0])
+            print(f"(tie: {', '.join(tied)} predict within {TIE_S * 1e3:g} ms or {TIE_REL:.0%} of the fastest "
+                  f"({best * 1e3:.2f} ms) - communication hidden behind backward; their order means nothing)")
     print()
     print(f"cost model ({focus['reducer']}, {args.workers} workers): {focus['cost_model']}")
     print(f"{'strategy':<14}{'groups':>8}{'iteration (ms)':>17}{'non-overlapped comm (ms)':>27}")

@@ -40,9 +40,9 @@ def register(sub) -> None:
     from . import WORKERS
 
     p.add_argument("--steps", type=WORKERS, default=None, help="steps per configuration (default 100; lm: its own)")
-    p.add_argument("--workers", type=WORKERS, default=4)
+    p.add_argument("--workers", type=WORKERS, default=4, help="ranks (processes)")
     p.add_argument("--workload", default="digits-mlp", help="digits-mlp (default) or lm")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help="the comparison goes to <runs-dir>/make-run")
     p.add_argument("--loopback", action="store_true", help="force loopback even when root")
     p.add_argument("--sparse", default=None, metavar="CONFIGS",
                    help='";"-separated sparse configurations (compare syntax) instead of the default '
@@ -50,7 +50,7 @@ def register(sub) -> None:
     p.add_argument("--optimizer", default=None, choices=["sgd", "momentum", "nesterov", "adam"],
                    help=f"the optimizer of every row (default: {OPTIMIZER} for digits-mlp, the workload's own "
                         "otherwise)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import COUNT, DENSITY, DURATION, RATE, WORKERS, UsageError, deprecated_alias
+from . import COUNT, DENSITY, DURATION, RATE, WORKERS, UsageError, deprecated_alias, doc_text
 
 ALGORITHMS = ("ring", "dbtree", "rec_doubling")
 
@@ -30,20 +30,30 @@ def _beta(rate: str | None) -> float | None:
 
 
 def _seconds_per_byte(s: str) -> str:
-    """Old ``--beta`` (seconds per byte) -> the rate it means, so both spellings meet in ``bandwidth``."""
-    from ..units import format_rate, parse_duration
+    """Old ``--beta`` (seconds per byte, ``8e-9``) -> the rate it means, so both spellings meet in
+    ``bandwidth``; a rate (``1gbit``) is taken as one."""
+    import argparse
 
-    return format_rate(float(f"{8.0 / parse_duration(s):.9g}"))  # 8/8e-9 is 999999999.99...
+    from ..units import format_rate, parse_duration, parse_rate
+
+    try:
+        return format_rate(float(f"{8.0 / parse_duration(s):.9g}"))  # 8/8e-9 is 999999999.99...
+    except ValueError:
+        pass
+    try:
+        return format_rate(parse_rate(s))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"--beta takes seconds per byte (8e-9) or a rate (1gbit): {e}") from None
 
 
 def register(sub) -> None:
     p = sub.add_parser("simulate", help="alpha-beta collective simulation and MG-WFBP schedule simulation",
-                       description=__doc__.split("\n", 1)[1].replace("``", "`"))
+                       description=doc_text(__doc__.split("\n", 1)[1]))
     s = p.add_subparsers(dest="what", metavar="WHAT")
     c = s.add_parser("collectives", help="formula vs executed (thread virtual clock) time of every algorithm")
     c.add_argument("--numel", type=COUNT, default=1 << 16, help="gradient length")
     deprecated_alias(c, "--n", "--numel", "numel", COUNT)
-    c.add_argument("--density", type=DENSITY, default=0.01)
+    c.add_argument("--density", type=DENSITY, default=0.01, help="fraction of entries each rank contributes")
     c.add_argument("--latency", type=DURATION, default="50us", help="latency per message (alpha)")
     deprecated_alias(c, "--alpha", "--latency", "latency", DURATION)
     c.add_argument("--bandwidth", type=RATE, default="1gbit", help="link rate (beta = 1/rate)")
@@ -59,7 +69,7 @@ def register(sub) -> None:
     deprecated_alias(pr, "--batch", "--batch-size", "batch_size", WORKERS)
     pr.add_argument("--image", type=WORKERS, default=None, help="image side for the ResNets (default: the model's)")
     pr.add_argument("--steps", type=WORKERS, default=5, help="profiled backward passes")
-    pr.add_argument("--device", default="cpu")
+    pr.add_argument("--device", default="cpu", help="where the model runs (cpu, cuda)")
     pr.add_argument("--out", default=None, help="profile JSON (default runs/profiles/<model>.json)")
     pr.set_defaults(func=run_profile)
     sc = s.add_parser("schedule", help="MG-WFBP trace simulation, 4..2048 workers, speed-up plot")

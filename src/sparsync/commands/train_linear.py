@@ -18,11 +18,11 @@ import time
 
 
 def register(subparsers) -> None:
-    from . import COUNT, NETWORK, WORKERS, deprecated_alias
+    from . import COUNT, NETWORK, WORKERS, deprecated_alias, doc_text
 
     p = subparsers.add_parser(
         "train-linear", help="SGD for sparse linear models (logreg/svm/linreg) with a sparse all-reduce",
-        description="\n\n".join(__doc__.split("\n\n")[1:3]).replace("``", "`"))
+        description=doc_text("\n\n".join(__doc__.split("\n\n")[1:3])))
     p.add_argument("--data", default="synthetic", help="svmlight/libsvm FILE, or 'synthetic'")
     p.add_argument("--model", choices=("logreg", "svm", "linreg"), default="logreg",
                    help="logistic regression, linear SVM, or linear regression (squared loss; a FILE's "
@@ -48,21 +48,21 @@ def register(subparsers) -> None:
                    help="ranks as threads or gloo processes (default gloo; --bandwidth implies gloo)")
     p.add_argument("--bandwidth", type=NETWORK, default=None,
                    help="run on the emulated cluster with this per-link rate, e.g. 1gbit (needs root)")
-    p.add_argument("--epochs", type=WORKERS, default=5)
+    p.add_argument("--epochs", type=WORKERS, default=5, help="passes over the data")
     p.add_argument("--batch-size", type=WORKERS, default=250,
                    help="samples per worker per step (global = batch size * P)")
     deprecated_alias(p, "--batch", "--batch-size", "batch_size", WORKERS)
-    p.add_argument("--global-batch", type=int, default=None, help="global batch (overrides --batch)")
+    p.add_argument("--global-batch", type=int, default=None, help="global batch (overrides --batch-size)")
     p.add_argument("--lr", type=float, default=10.0, help="learning rate on the batch-mean gradient")
     p.add_argument("--l2", type=float, default=0.0, help="L2 regularisation (dense shrink every step)")
     p.add_argument("--test-fraction", type=float, default=0.2, help="held-out fraction (default 0.2)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and the train/test split")
     p.add_argument("--zero-based", action="store_true", help="FILE uses 0-based feature indices")
     p.add_argument("--n-features", type=int, default=None, help="declared dimension of FILE")
     p.add_argument("--samples", type=COUNT, default=20000, help="synthetic: samples")
     p.add_argument("--features", type=COUNT, default=1_000_000, help="synthetic: dimension")
     p.add_argument("--nnz", type=COUNT, default=30, help="synthetic: feature draws per sample")
-    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the ranks are stopped")
     p.set_defaults(func=run)
 
 

@@ -51,7 +51,7 @@ from typing import NamedTuple
 
 import torch
 
-from .. import native
+from .. import native, rankstate
 from ..recycle import recycled
 from ..select.topk import check_density
 from ..sparse import set_at
@@ -182,11 +182,16 @@ class Reducer:
             "density": self.density,
             "residual": None if self.residual is None else self.residual.detach().cpu().clone(),
             "extra": self._extra_state(),
+            "rank": self.comm.rank,  # the residual is this rank's (sparsync.rankstate)
+            "world_size": self.comm.world_size,
         }
 
     def load_state_dict(self, d: dict) -> None:
+        """Load :meth:`state_dict`'s result. Another rank's state of the same world size raises
+        ``ValueError`` (residuals are per rank); one from another world size loads."""
         if d.get("name") != self.name:
             raise ValueError(f"state of reducer {d.get('name')!r} cannot be loaded into {self.name!r}")
+        rankstate.own(d, self.comm.rank, self.comm.world_size, f"{self.name} reducer", warn=False)
         self.step = int(d["step"])
         self.numel = d["numel"]
         res = d["residual"]

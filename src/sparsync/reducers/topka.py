@@ -27,6 +27,14 @@ from .registry import register
 @register("topka")
 class TopkAReducer(BufferedAccumulator, Reducer):
     supports_value_dtype = True  # half values on the wire, summed in fp32 by the allgather collective
+    @classmethod
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
+        """The all-gather collective's formula for ``k`` entries per rank
+        (:func:`~sparsync.collectives.allgather.allgather_cost`: ``P-1`` rounds, ``(P-1)*m`` bytes)."""
+        from ..collectives.allgather import allgather_cost
+
+        return allgather_cost(P, n, k, value_bytes=value_bytes, index_bytes=index_bytes)
+
     def _reduce(self, grad):
         with self.timed("select"):
             acc = self.accumulate(grad)

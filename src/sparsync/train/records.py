@@ -30,9 +30,17 @@ CSV_COLUMNS = ["name", "label", "workload", "reducer", "density", "merge", "work
 
 
 def _run_dirs(path: Path) -> list[Path]:
+    """One run directory, or the runs of a comparison in configuration order: the order of its
+    ``comparison.json`` (as ``compare`` ran them); runs it does not list follow, by name."""
     if (path / "summary.json").exists():
         return [path]
-    return sorted(p.parent for p in path.glob("*/summary.json"))
+    dirs = sorted(p.parent for p in path.glob("*/summary.json"))
+    try:
+        listed = [Path(r["path"]).name for r in json.loads((path / "comparison.json").read_text())["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return dirs
+    order = {name: i for i, name in enumerate(listed)}
+    return sorted(dirs, key=lambda d: (order.get(d.name, len(order)), d.name))
 
 
 def add_speedups(records: list[dict]) -> list[dict]:

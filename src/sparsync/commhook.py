@@ -1,0 +1,325 @@
+"""The torch DDP comm hook: a sparsync reducer on ``DistributedDataParallel``'s buckets.
+
+``model.register_comm_hook(None, ss.ddp_hook("micro", density=0.01, module=model))`` - see
+:class:`DDPHook` for the contract (asynchronous FIFO reduction, its own process group, per-parameter
+residuals across DDP's bucket rebuild, per-rank state and its gathered form for single-writer
+checkpoints). Also importable as ``sparsync.ddp_hook`` / ``sparsync.DDPHook`` / ``sparsync.ddp.*``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from . import rankstate
+from .schedule.worker import CommWorker
+
+__all__ = ["DDPHook", "ddp_hook"]
+
+
+class DDPHook:
+    """Comm hook for ``torch.nn.parallel.DistributedDataParallel`` running a sparsync reducer per bucket.
+
+    ``model.register_comm_hook(state, ss.ddp_hook("topka", density=0.01))``: ``state`` may be None
+    or the DDP model itself (then the hook reduces on **its own process group**: a new group with
+    the ranks and backend of DDP's, created in the hook's first call - on every rank the first
+    bucket of the first backward - never on DDP's group), a sparsync ``Comm`` or a process group
+    (used as given: it must carry nothing else during backward). One reducer per bucket index
+    (``bucket.index()``).
+
+    **Asynchronous** (default), like torch's ``allreduce_hook`` / ``powerSGD_hook``: the hook
+    returns at once a ``torch.futures.Future`` that completes when the bucket's reduction is done;
+    the reduction (error feedback, selection, the collectives, ``sum / P`` written into the
+    bucket) runs on one FIFO communication thread per hook, so DDP keeps computing backward and
+    launching later buckets meanwhile. DDP launches buckets in index order on every rank, and the
+    FIFO thread keeps that order, so every rank issues identical collectives in identical order and
+    the result stays bitwise identical across ranks (and bitwise equal to ``asynchronous=False``,
+    where the reduction runs inside the hook). The group is the hook's own because DDP itself
+    issues collectives on its group while the hook's thread runs: with
+    ``find_unused_parameters=True`` (the HF Trainer's default for a ``PreTrainedModel``) it
+    all-reduces the used-parameter map once the last bucket is launched, and two threads issuing
+    collectives on one group in a different order on different ranks deadlock.
+
+    **State**, saved like PowerSGD's: ``torch.save(hook, f)`` pickles the hook's state without the
+    process group, worker thread or module (``hook.state_dict()`` / ``load_state_dict`` give the
+    same as a dict); ``hook = torch.load(f, weights_only=False)`` and register it again
+    (``model.register_comm_hook(model, hook)`` gives it the module for the per-parameter layout).
+    The state is **per rank** (residuals: what this rank has not sent yet) and records ``rank`` and
+    ``world_size``; loading another rank's state raises ``ValueError`` (another world size: a
+    warning). For a checkpoint that one rank writes, ``hook.gathered_state_dict()`` (a collective)
+    returns every rank's state in one object, and ``load_state_dict`` of that object takes this
+    rank's entry (:mod:`sparsync.rankstate`). A state loaded before the process group exists
+    (unpickling) is matched to its rank in the hook's first call.
+
+    DDP lays its buckets out in one order in the first iteration and rebuilds them in gradient-ready
+    order after it, so a bucket's contents can move. The hook therefore needs to know the model's
+    parameters to keep residuals right across a rebuild or a resume: pass ``module=`` to
+    :func:`ddp_hook` (or the DDP model as ``state``). It then records each bucket's layout (parameter
+    indices of ``module.parameters()``), and ``state_dict()`` stores residuals **per parameter**; a
+    reducer created for a new layout gets its residual re-assembled from those pieces (other reducer
+    state is kept only when the layout is unchanged). After a load, a bucket tiled exactly by saved
+    buckets (DDP's first iteration, before its rebuild) is reduced part by part with the saved
+    reducers, so a resume is bitwise. Without a module, a bucket whose size changes
+    gets a fresh reducer and a loaded state is used only for a bucket of the same size - correct only
+    if the layout did not change (a warning says so).
+    """
+
+    def __init__(self, reducer: str, density: float = 0.01, module=None, asynchronous: bool = True, **options):
+        from .reducers.registry import load_all
+
+        if reducer not in load_all():
+            raise ValueError(f"unknown reducer {reducer!r}; valid: {', '.join(sorted(load_all()))}")
+        self.reducer_name = reducer
+        self.__name__ = self.__qualname__ = f"sparsync_{reducer}_hook"  # torch DDP reads these
+        self.density = density
+        self.options = options
+        self.asynchronous = bool(asynchronous)
+        self.comm = None
+        self.module = module
+        self._pindex = None
+        self._worker = None
+        self.reducers: dict[int, object] = {}
+        self.layouts: dict[int, list | None] = {}
+        self._pending: dict | None = None
+        self._loaded = None
+        self.last_stats: dict = {}
+
+    def __getstate__(self):
+        return {"reducer": self.reducer_name, "density": self.density, "options": dict(self.options),
+                "asynchronous": self.asynchronous, "state": self.state_dict()}
+
+    def __setstate__(self, d):
+        self.__init__(d["reducer"], d["density"], asynchronous=d.get("asynchronous", True), **d["options"])
+        self.load_state_dict(d["state"])
+
+    def close(self) -> None:
+        """Stop the communication thread (a later call starts a new one)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+
+    def _comm_for(self, state):
+        if self.comm is None:
+            from .comm import Comm
+            from .ddp import _as_comm
+
+            if isinstance(state, nn.Module):
+                if self.module is None:
+                    self.module = state
+                state = own_group(getattr(state, "process_group", None))
+            elif state is None or state is getattr(self.module, "process_group", None):
+                state = own_group(state)
+            self.comm = state if isinstance(state, Comm) else _as_comm(state)
+            if self._loaded is not None:  # loaded before the rank was known (unpickled)
+                self._load_own(self._loaded)
+        return self.comm
+
+    def _rank(self):
+        """(rank, world_size) of this hook's group, or of the default group before its first call."""
+        if self.comm is not None:
+            return self.comm.rank, self.comm.world_size
+        import torch.distributed as dist
+
+        group = getattr(self.module, "process_group", None)
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(group), dist.get_world_size(group)
+        return None, None
+
+    def _layout(self, bucket):
+        if self.module is None:
+            return None
+        if self._pindex is None:
+            self._pindex = {id(p): i for i, p in enumerate(self.module.parameters())}
+        try:
+            return [self._pindex[id(p)] for p in bucket.parameters()]
+        except KeyError:
+            return None
+
+    def _new_reducer(self, idx, numel, layout):
+        from .reducers.registry import make_reducer
+
+        r = make_reducer(self.reducer_name, self.comm, self.density, **self.options)
+        pend = self._pending
+        if pend is None:
+            return r
+        saved = pend["buckets"].get(idx)
+        if saved is not None and saved.get("layout") == layout and saved["state"].get("numel") in (None, numel):
+            if layout is None:
+                warnings.warn("sparsync ddp_hook: loading bucket state without a module; correct only if DDP's "
+                              "bucket layout is unchanged (pass module= to ddp_hook)", stacklevel=3)
+            r.load_state_dict(saved["state"])
+        elif layout is not None and pend.get("per_param"):
+            pieces = pend["per_param"]
+            if all(i in pieces for i in layout):
+                r.residual = torch.cat([pieces[i].reshape(-1) for i in layout]).to(self.comm.device)
+                r.numel = r.residual.numel()
+            r.step = int(pend.get("step", 0))
+        return r
+
+    def __call__(self, state, bucket):
+        comm = self._comm_for(state)
+        fut = torch.futures.Future()
+
+        def job():
+            try:
+                fut.set_result(self._reduce_bucket(comm, bucket))
+            except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+                fut.set_exception(e)
+
+        if not self.asynchronous:
+            job()
+            return fut
+        if self._worker is None:
+            self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
+        self._worker.submit(job)
+        return fut
+
+    def _reduce_bucket(self, comm, bucket):
+        """Reduce one bucket in place: ``bucket.buffer() := sum over ranks / P`` (one write pass)."""
+        buf = bucket.buffer()
+        idx = int(bucket.index())
+        layout = self._layout(bucket)
+        parts = self._saved_parts(idx, layout)
+        if parts is not None:
+            self._reduce_saved_parts(comm, buf, layout, parts)
+            self._finish_bucket(bucket)
+            return buf
+        r = self.reducers.get(idx)
+        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
+            if r is not None and self._pending is None and layout is not None:
+                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
+            r = self._new_reducer(idx, buf.numel(), layout)
+            self.reducers[idx] = r
+            self.layouts[idx] = layout
+        flat = buf.reshape(-1)
+        out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
+        torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
+        self.last_stats[idx] = dict(r.stats)
+        self._finish_bucket(bucket)
+        return buf
+
+    def _finish_bucket(self, bucket):
+        if bucket.is_last():
+            self._pending = None if all(i in self.reducers for i in (self._pending or {}).get("buckets", {})) \
+                else self._pending
+
+    def _saved_parts(self, idx, layout):
+        """After a load: the saved buckets that tile this bucket exactly, when this bucket's layout is
+        not a saved one (DDP's first iteration after construction has its own layout, before the
+        rebuild). Reducing those parts with their saved reducers, in saved index order, is what the
+        uninterrupted run did - so a resume is bitwise whatever DDP's initial layout."""
+        pend = self._pending
+        if pend is None or layout is None:
+            return None
+        saved = {i: b.get("layout") for i, b in pend["buckets"].items() if b.get("layout") is not None}
+        if saved.get(idx) == layout:
+            return None
+        want = set(layout)
+        parts = sorted(i for i, lay in saved.items() if set(lay) <= want)
+        if sorted(j for i in parts for j in saved[i]) != sorted(layout):
+            return None
+        return [(i, saved[i]) for i in parts]
+
+    def _reduce_saved_parts(self, comm, buf, layout, parts):
+        sizes = self._param_sizes()
+        offsets, off = {}, 0
+        for j in layout:
+            offsets[j] = off
+            off += sizes[j]
+        flat = buf.reshape(-1)
+        for i, lay in parts:
+            index = torch.cat([torch.arange(offsets[j], offsets[j] + sizes[j], device=flat.device) for j in lay])
+            r = self.reducers.get(i)
+            if r is None or self.layouts.get(i) != lay:
+                r = self._new_reducer(i, index.numel(), lay)
+                self.reducers[i], self.layouts[i] = r, lay
+            x = flat[index]
+            out = r.reduce(x if x.dtype.is_floating_point else x.float())
+            flat[index] = (out / comm.world_size).to(flat.dtype)
+            self.last_stats[i] = dict(r.stats)
+
+    def _param_sizes(self):
+        return [p.numel() for p in self.module.parameters()] if self.module is not None else None
+
+    def state_dict(self) -> dict:
+        """Reducer state per bucket (+ residual pieces per parameter when the module is known)."""
+        buckets = {i: {"state": r.state_dict(), "layout": self.layouts.get(i)} for i, r in self.reducers.items()}
+        per_param, step = {}, 0
+        sizes = self._param_sizes()
+        for i, r in self.reducers.items():
+            step = max(step, r.step)
+            lay = self.layouts.get(i)
+            if lay is not None and r.residual is not None:
+                for pi, piece in zip(lay, torch.split(r.residual.detach().cpu(), [sizes[j] for j in lay])):
+                    per_param[pi] = piece.clone()
+        if self._pending:  # buckets not seen since a load keep their saved state
+            for i, b in self._pending["buckets"].items():
+                buckets.setdefault(i, b)
+            for pi, piece in self._pending.get("per_param", {}).items():
+                per_param.setdefault(pi, piece)
+        if self._loaded is not None:  # loaded, not matched to a rank yet (no call since unpickling)
+            return self._loaded
+        state = {"reducer": self.reducer_name, "buckets": buckets, "per_param": per_param, "step": step}
+        return rankstate.stamp(state, *self._rank())
+
+    def gathered_state_dict(self) -> dict:
+        """Every rank's :meth:`state_dict` in one object (the same on every rank): for a checkpoint
+        that one rank writes. A collective over the hook's group (before the hook's first call: DDP's
+        group), so every rank must call it, outside backward; ``load_state_dict`` takes the result."""
+        comm = self.comm
+        if comm is None:
+            from .ddp import _as_comm
+
+            comm = _as_comm(getattr(self.module, "process_group", None))
+        return rankstate.gather(self.state_dict(), comm)
+
+    def load_state_dict(self, d: dict) -> None:
+        """Load :meth:`state_dict`'s result (this rank's: another rank's raises ``ValueError``) or
+        :meth:`gathered_state_dict`'s (this rank's entry is taken)."""
+        first = d["states"][0] if rankstate.is_gathered(d) and d["states"] else d
+        if not isinstance(first, dict) or first.get("reducer") != self.reducer_name:
+            got = first.get("reducer") if isinstance(first, dict) else type(first).__name__
+            raise ValueError(f"hook state is for reducer {got!r}, not {self.reducer_name!r}")
+        self.reducers = {}
+        self.layouts = {}
+        rank, _ = self._rank()
+        if rank is None:
+            self._loaded, self._pending = d, None
+        else:
+            self._load_own(d)
+
+    def _load_own(self, d: dict) -> None:
+        self._loaded = None
+        d = rankstate.own(d, *self._rank(), what=f"sparsync ddp_hook({self.reducer_name!r})")
+        if d is None:  # a gathered state without this rank (the world grew): start fresh
+            self._pending = None
+            return
+        self._pending = {"buckets": dict(d["buckets"]), "per_param": dict(d.get("per_param") or {}),
+                         "step": int(d.get("step", 0))}
+
+
+def own_group(group=None):
+    """A new process group with the ranks and backend of ``group`` (None: the default group).
+    Every rank of the default group must call it in the same order (every member of ``group`` when
+    it is a subgroup)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("sparsync ddp_hook: torch.distributed is not initialised (init_process_group first)")
+    backend = dist.get_backend(group)
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        return dist.new_group(backend=backend)
+    return dist.new_group(ranks=dist.get_process_group_ranks(group), backend=backend,
+                          use_local_synchronization=True)
+
+
+def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, asynchronous: bool = True,
+             **options) -> DDPHook:
+    """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
+
+    ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
+    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook (no overlap).
+    """
+    return DDPHook(reducer, density, module=module, asynchronous=asynchronous, **options)
