@@ -208,17 +208,23 @@ def test_an_uncreatable_cache_builds_in_a_private_directory_left_empty(checkout,
 
 def test_the_issue_command_with_a_planted_fallback_runs_no_planted_code(tmp_path, planted):
     """``SPARSYNC_CACHE=/proc/x python -c "from sparsync import native; native.info()"`` in a fresh
-    process, with the planted library at the old shared fallback path."""
+    process of a source checkout (no packaged library), with the planted library at the old shared
+    fallback path ``$TMPDIR/sparsync-native-<uid>``."""
     lib, marker = planted
     fallback = tmp_path / f"sparsync-native-{os.getuid()}"
     fallback.mkdir()
     shutil.copy(lib, fallback / build.cache_name())
+    (tmp_path / "no-package").mkdir()
     env = dict(os.environ, SPARSYNC_CACHE="/proc/x", TMPDIR=str(tmp_path), SPARSYNC_NATIVE="1",
                PYTHONPATH=str(Path(native.__file__).parents[2]))
-    out = subprocess.run([sys.executable, "-c", "from sparsync import native; print(native.info())"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    script = ("import sys; from pathlib import Path; from sparsync.native import loader; "
+              "loader.PACKAGE_DIR = Path(sys.argv[1]); from sparsync import native; print(native.info())")
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "no-package")], env=env, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "'enabled': True" in out.stdout and not marker.exists()
+    assert "'enabled': True" in out.stdout and "private temporary build" in out.stdout
+    assert not marker.exists()
+    assert set(os.listdir(tmp_path)) == {fallback.name, "no-package"}  # the private build directory is gone
 
 
 def test_a_packaged_library_is_loaded_and_no_compiler_runs(monkeypatch, tmp_path):
