@@ -31,7 +31,7 @@ debs:
 	    "no gcc: the torch kernels run instead of the C ones)"; fi; fi
 
 run: setup
-	@$(PY) -c "from sparsync import native; i = native.info(); print('C kernels:', 'built' if i['enabled'] else 'off (' + i['why'] + ')')"
+	@$(PY) -c "from sparsync import native; i = native.info(); print('C kernels:', i['origin'] if i['enabled'] else 'off (' + i['why'] + ')')"
 	$(VENV)/bin/sparsync run-default
 
 # The reducer and engine suites run a second time with the torch kernels (SPARSYNC_NATIVE=0): the
