@@ -77,7 +77,10 @@ def _make_private(directory: Path) -> None:
 
 
 def _cached() -> tuple[ctypes.CDLL, str]:
-    directory = cache_dir()
+    try:
+        directory = cache_dir()
+    except (RuntimeError, KeyError):  # no $SPARSYNC_CACHE and no home directory
+        return _private_build(), "a private temporary build (no home directory for the cache)"
     try:
         _make_private(directory)
         if not directory.is_dir():
