@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from sparsync import native
 from sparsync.reducers.cltk import CLTKReducer
 from sparsync.reducers.hard_threshold import HardThresholdReducer
 from sparsync.reducers.micro import MicroReducer
@@ -165,8 +166,8 @@ def test_state_dict_round_trip_continues_bitwise(cut):
 
 def test_reuse_buffers_accumulates_in_place_and_never_touches_the_grad():
     """``reuse_buffers=True``: the residual tensor is the accumulator (updated in place, as
-    documented) when nothing is checked, and with the input check on (the default) two buffers take
-    turns (the check rides on the pass that writes one from the other); the gradient is only read,
+    documented) when nothing is checked, and with the input check on (the default) and the C kernels
+    two buffers take turns (the check rides on the pass that writes one from the other); the gradient is only read,
     and the results equal a fresh ``grad + residual``."""
     def fn(comm):
         ok = True
@@ -186,7 +187,7 @@ def test_reuse_buffers_accumulates_in_place_and_never_touches_the_grad():
                 r2.reduce(g)
                 storages.append(r.residual.untyped_storage().data_ptr())
                 ok &= torch.equal(g, gc) and torch.equal(r2.residual, r.residual)
-            if policy == "ignore":
+            if policy == "ignore" or not native.enabled():  # the torch kernels check in a pass of their own
                 ok &= r.residual is held and not torch.equal(held, snap)
             else:  # two buffers in turn: step 1's, then held's again, then step 1's
                 held_ptr = held.untyped_storage().data_ptr()

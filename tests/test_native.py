@@ -1,7 +1,7 @@
 """The C compaction kernels (``sparsync.native``): the same indices as the torch reference on every
 edge (thresholds between fp32 neighbours, NaN, inf, signed zeros, lengths around the 64-element
-groups, a buffer too short for the count, several threads at once), and a clear fallback when
-they cannot be built."""
+groups, a buffer too short for the count, several threads at once), and the torch kernels inside a
+``switched_off`` block (where and how the library is loaded: ``test_native_loading.py``)."""
 
 import threading
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from sparsync import native
-from sparsync.native import build
 
 pytestmark = pytest.mark.skipif(not native.enabled(), reason=f"C kernels not built: {native.info()['why']}")
 
@@ -221,36 +220,6 @@ def test_take_clear_refuses_unsorted_repeated_or_outside_indices_untouched():
         native.take_clear(x, torch.tensor([1, 2], dtype=torch.int32))
 
 
-def test_switched_off_and_failed_builds_fall_back(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setenv("SPARSYNC_NATIVE", "0")
-    assert not native.enabled() and "SPARSYNC_NATIVE=0" in native.info()["why"]
-    # a compiler that does not exist: one warning naming it, then the torch kernels
-    monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setenv("SPARSYNC_NATIVE", "1")
-    monkeypatch.setenv("SPARSYNC_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", "no-such-cc-sparsync")
-    with pytest.warns(RuntimeWarning, match="no-such-cc-sparsync"):
-        assert not native.enabled()
-    assert "build failed" in native.info()["why"]
-    # a compiler that fails
-    monkeypatch.setenv("CC", "false")
-    with pytest.raises(build.BuildError, match="failed"):
-        build.load()
-
-
-def test_the_build_is_keyed_by_its_source(monkeypatch, tmp_path):
-    monkeypatch.setenv("SPARSYNC_CACHE", str(tmp_path))
-    first = build.library_path()
-    edited = tmp_path / "kernels.c"
-    edited.write_text(build.SOURCE.read_text() + "\n/* edited */\n")
-    monkeypatch.setattr(build, "SOURCE", edited)
-    second = build.library_path()
-    assert first != second and first.parent == second.parent == tmp_path / "native"
-    lib = build.load()  # compiles the edited source into the cache
-    assert second.exists() and lib.sparsync_abi() == native.ABI
-
-
 def test_switched_off_block_runs_the_torch_kernels_and_restores():
     from sparsync.select.threshold import threshold_indices
 
@@ -262,9 +231,34 @@ def test_switched_off_block_runs_the_torch_kernels_and_restores():
     assert torch.equal(off, threshold_indices(x, 1.5))
 
 
-def test_an_unwritable_cache_falls_back_to_a_temporary_directory(monkeypatch, tmp_path):
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the cache directory would go")
-    monkeypatch.setenv("SPARSYNC_CACHE", str(blocker))
-    lib = build.load()  # mkdir under a file fails: built in the temporary directory instead
-    assert lib.sparsync_abi() == native.ABI and not (blocker / "native").exists()
+def test_switched_off_blocks_of_two_threads_overlap_and_count():
+    """Two threads' blocks that end in the other order they began leave the kernels on afterwards
+    (a saved-and-restored global would leave them off), and while either is open every thread of
+    the process runs the torch kernels (thread ranks included)."""
+    first_in, second_in, first_out, main_checked = (threading.Event() for _ in range(4))
+    seen = {}
+
+    def first():
+        with native.switched_off():
+            first_in.set()
+            second_in.wait(10)
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with native.switched_off():
+            second_in.set()
+            first_out.wait(10)
+            seen["inside"] = native.enabled()  # the first block has ended, this one is still open
+            main_checked.wait(10)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for th in threads:
+        th.start()
+    first_in.wait(10)
+    seen["main thread"] = native.enabled()  # a block of another thread is open
+    main_checked.set()
+    for th in threads:
+        th.join()
+    assert seen == {"inside": False, "main thread": False}
+    assert native.enabled()

@@ -431,6 +431,62 @@ def _sigstop():
                          r"rank 1 of 3 stopped responding")
 
 
+# ---------------------------------------------------------------------- security
+_PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("planted code ran", f); fclose(f); }
+}
+"""
+
+_LOAD_AS_CHECKOUT = """
+import sys
+from pathlib import Path
+from sparsync.native import loader
+loader.PACKAGE_DIR = Path(sys.argv[1])  # no packaged library: the cache is where the kernels would come from
+from sparsync import native
+print(native.info())
+"""
+
+
+@case("security", "a .so planted in the fallback cache by another user is not loaded")
+def _planted_kernels():
+    from .native import build
+
+    if os.geteuid() != 0:
+        return "not tried", "needs root to chown the planted library to another user"
+    d = Path(_TMP) / "planted"
+    d.mkdir()
+    marker, src = d / "RAN", d / "planted.c"
+    src.write_text(build.SOURCE.read_text() + _PLANTED)  # a real build of the kernels, plus a constructor
+    lib = d / "planted.so"
+    defines = [f'-DMARKER="{marker}"', f'-DSPARSYNC_SOURCE_SHA="{build.source_sha()}"']
+    subprocess.run(build.compiler() + ["-O0", "-fPIC", "-shared", *defines, "-o", str(lib), str(src), "-lm"],
+                   check=True, capture_output=True, timeout=120)
+    cache, tmpdir, empty = d / "cache", d / "tmp", d / "no-package"
+    for where in (cache / "native", tmpdir / f"sparsync-native-{os.getuid()}", empty):
+        where.mkdir(parents=True)
+    planted = cache / "native" / build.cache_name()
+    for dest in (planted, tmpdir / f"sparsync-native-{os.getuid()}" / build.cache_name()):
+        dest.write_bytes(lib.read_bytes())
+        os.chown(dest, 12345, 12345)
+    results = []
+    for env in ({"SPARSYNC_CACHE": str(cache)}, {"SPARSYNC_CACHE": "/proc/x", "TMPDIR": str(tmpdir)}):
+        out = subprocess.run([sys.executable, "-c", _LOAD_AS_CHECKOUT, str(empty)], capture_output=True, text=True,
+                             env=dict(os.environ, SPARSYNC_NATIVE="1", **env), timeout=120)
+        results.append((out.returncode, out.stdout + out.stderr))
+    if marker.exists():
+        return "silent wrong", "the planted library ran"
+    (rc1, text1), (rc2, text2) = results
+    if (rc1 == 0 and "could have been written by another user (owner uid 12345" in text1
+            and rc2 == 0 and "'enabled': True" in text2 and "private temporary build" in text2):
+        return "clean error", ("in the cache: refused, one warning 'could have been written by another user (owner "
+                               "uid 12345 ...)', torch kernels; SPARSYNC_CACHE=/proc/x, one at the old $TMPDIR "
+                               "fallback: built privately; the planted code never ran")
+    return "unclear error", f"rc {rc1}: {text1[-150:]} / rc {rc2}: {text2[-150:]}"
+
+
 # ---------------------------------------------------------------------- driver
 _TMP = ""
 

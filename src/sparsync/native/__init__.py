@@ -13,7 +13,7 @@ the reducers' input check: :mod:`sparsync.recycle`,
 histogram (:func:`sparsync.select.threshold.local_histogram`) and the candidate pass of the exact
 top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selection). The result is
 the same, in the same order, as the torch kernels they replace (tested side by side); only the time
-differs (``docs/benchmarks.md``, issue 11's "stream compaction in C").
+differs.
 
 Why: on the CPU torch's ``nonzero`` costs ~2.5 ns per element (the threshold kernel's chunked
 ``abs``/``ge``/``nonzero`` ~1.4 ns, the exact top-k's candidate pass ~3 ns); the C loop (``kernels.c``:
@@ -22,9 +22,17 @@ of reading ``x`` once.
 
 Use: :func:`usable(x) <usable>` says whether a tensor can take the C path; callers keep their torch
 path for everything else (CUDA, other dtypes, non-contiguous views) and when the kernels are off.
-``SPARSYNC_NATIVE=0`` turns them off; a machine without a C compiler falls back with one warning
-(:func:`info` says which path runs and why). ``ctypes`` releases the GIL during the call, so a
-rank's training thread runs Python meanwhile.
+``SPARSYNC_NATIVE=0`` turns them off (:func:`switched_off` for a block); when they cannot be loaded
+the torch kernels run after one warning naming the reason (:func:`info` says which path runs, why,
+and where the library came from). ``ctypes`` releases the GIL during the call, so a rank's training
+thread runs Python meanwhile.
+
+Build and load: ``kernels.c`` is compiled when the package is built or installed
+(:mod:`~sparsync.native.build`, called by ``setup.py``); importing and using the package then compiles
+nothing. A source checkout without that build compiles once per source version into a private cache.
+A library is loaded only from a place no other user can write (:mod:`~sparsync.native.trust`,
+:mod:`~sparsync.native.loader`) and bound through one declared table checked against the library
+(:mod:`~sparsync.native.binding`).
 
 Buffers: the output is written into a per-thread scratch buffer that grows to the largest count
 seen (a second pass when a count exceeds it), then the ``count`` indices are copied out, so no
@@ -41,89 +49,71 @@ import warnings
 
 import torch
 
-from .build import BuildError, load
+from .build import BuildError
+from .loader import load
 
-__all__ = ["ABI", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
+__all__ = ["bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
            "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
 
 _lock = threading.Lock()
-_state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str: the reason when None)
+_state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str: the reason when None), "origin" (str)
 _local = threading.local()
-
-
-#: the interface version this module binds (``SPARSYNC_ABI`` in kernels.c)
-ABI = 6
-
-
-def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.sparsync_abi.restype = ctypes.c_int
-    if lib.sparsync_abi() != ABI:
-        raise BuildError(f"the C kernels have interface {lib.sparsync_abi()}, this module needs {ABI}")
-    lib.sparsync_vectorised.restype = ctypes.c_int
-    lib.sparsync_compact_abs_ge_f32.restype = i64
-    lib.sparsync_compact_abs_ge_f32.argtypes = [ptr, i64, ctypes.c_float, i64, ptr, i64]
-    lib.sparsync_compact_rows_abs_ge_f32.restype = i64
-    lib.sparsync_compact_rows_abs_ge_f32.argtypes = [ptr, i64, i64, ptr, ptr, i64]
-    lib.sparsync_bucket_count_f32.restype = None
-    lib.sparsync_bucket_count_f32.argtypes = [ptr, i64, ptr, i64, ptr, ptr]
-    lib.sparsync_decode_block16.restype = i64
-    lib.sparsync_decode_block16.argtypes = [ptr, i64, i64, i64, ptr]
-    lib.sparsync_momentum_fold_f32.restype = None
-    lib.sparsync_momentum_fold_f32.argtypes = [ptr, ptr, ptr, i64, ctypes.c_float, ctypes.c_int]
-    lib.sparsync_zero_nt.restype = None
-    lib.sparsync_zero_nt.argtypes = [ptr, i64]
-    lib.sparsync_sum_check_f32.restype = ctypes.c_int
-    lib.sparsync_sum_check_f32.argtypes = [ptr, ptr, ptr, i64]
-    lib.sparsync_take_clear_f32.restype = ctypes.c_int
-    lib.sparsync_take_clear_f32.argtypes = [ptr, i64, ptr, i64, ptr]
-    return lib
+_off_lock = threading.Lock()
+_off_blocks = 0  # open switched_off() blocks, of any thread
 
 
 def _library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (switched off, or the build failed: warned once)."""
+    """The loaded kernels, or None (switched off, or not loadable: warned once)."""
+    if _off_blocks:
+        return None
     if "lib" in _state:
         return _state["lib"]
     with _lock:
         if "lib" in _state:
             return _state["lib"]
         if os.environ.get("SPARSYNC_NATIVE", "1").strip().lower() in ("0", "false", "no", "off"):
-            _state.update(lib=None, why="switched off (SPARSYNC_NATIVE=0)")
+            _state.update(lib=None, why="switched off (SPARSYNC_NATIVE=0)", origin="")
             return None
         try:
-            lib = _bind(load())
-            _state.update(lib=lib, why="")
+            lib, origin = load()
+            _state.update(lib=lib, why="", origin=origin)
         except BuildError as e:
-            _state.update(lib=None, why=f"build failed: {e}")
-            warnings.warn(f"sparsync.native: C kernels unavailable ({e}); using the slower torch kernels",
+            _state.update(lib=None, why=f"not loaded: {e}", origin="")
+            warnings.warn(f"sparsync.native: C kernels not loaded ({e}); using the slower torch kernels",
                           RuntimeWarning, stacklevel=3)
         return _state["lib"]
 
 
 def enabled() -> bool:
-    """True when the C kernels are built, loaded and not switched off."""
+    """True when the C kernels are loaded and not switched off."""
     return _library() is not None
 
 
 def info() -> dict:
-    """Which compaction path runs: ``{"enabled", "vectorised", "why"}`` (for reports and bug reports)."""
+    """Which path runs: ``{"enabled", "vectorised", "why", "origin"}`` (for reports and bug reports);
+    ``origin`` says where the library came from (installed with the package, or a build cache)."""
     lib = _library()
+    why = "switched off for a block (native.switched_off)" if _off_blocks else _state.get("why", "")
     return {"enabled": lib is not None, "vectorised": bool(lib and lib.sparsync_vectorised()),
-            "why": _state.get("why", "")}
+            "why": why, "origin": _state.get("origin", "") if lib is not None else ""}
 
 
 @contextlib.contextmanager
 def switched_off():
-    """Inside the block the torch kernels run (process-wide): side-by-side timings and tests."""
-    global _state
-    saved, _state = _state, {"lib": None, "why": "switched off for a block (native.switched_off)"}
+    """Inside the block the torch kernels run, for EVERY thread of the process (thread ranks
+    included): side-by-side timings and tests. Blocks may nest and overlap across threads (a count
+    under a lock): the kernels come back when the last open block ends."""
+    global _off_blocks
+    with _off_lock:
+        _off_blocks += 1
     try:
         yield
     finally:
-        _state = saved
+        with _off_lock:
+            _off_blocks -= 1
 
 
 def usable(x: torch.Tensor) -> bool:

@@ -31,9 +31,31 @@
 #include <math.h>
 #include <string.h>
 
-#define SPARSYNC_ABI 6
+/* The exported interface: every function the library exports, one prototype per line, and nothing
+ * else is exported (-fvisibility=hidden). The compiler holds each definition to its prototype here
+ * (-Wmissing-prototypes, conflicting types are an error); sparsync/native/binding.py reads this
+ * block from the source the library reports it was built from and refuses a library whose
+ * exports differ from its ctypes table. "ptr" parameters are all pointers to the data named. */
+#define SPARSYNC_API __attribute__((visibility("default")))
+/* exports: begin */
+SPARSYNC_API const char *sparsync_source_sha(void);
+SPARSYNC_API int sparsync_vectorised(void);
+SPARSYNC_API int64_t sparsync_compact_abs_ge_f32(const float *x, int64_t n, float t, int64_t base, int64_t *out, int64_t cap);
+SPARSYNC_API int64_t sparsync_compact_rows_abs_ge_f32(const float *x, int64_t rows, int64_t cols, const float *t, int64_t *out, int64_t cap);
+SPARSYNC_API void sparsync_bucket_count_f32(const float *v, int64_t n, const float *edges, int64_t ne, int64_t *bucket, int64_t *hist);
+SPARSYNC_API int64_t sparsync_decode_block16(const int16_t *msg, int64_t nb, int64_t start, int64_t count, int64_t *out);
+SPARSYNC_API void sparsync_momentum_fold_f32(float *u, float *r, const float *g, int64_t n, float m, int nesterov);
+SPARSYNC_API void sparsync_zero_nt(void *p, int64_t nbytes);
+SPARSYNC_API int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n);
+SPARSYNC_API int sparsync_take_clear_f32(float *x, int64_t n, const int64_t *idx, int64_t k, float *out);
+/* exports: end */
 
-int sparsync_abi(void) { return SPARSYNC_ABI; }
+/* The SHA-256 of this file, given by the build (-DSPARSYNC_SOURCE_SHA="..."): the version of the
+ * interface, derived rather than numbered by hand (a library built from other source is refused). */
+#ifndef SPARSYNC_SOURCE_SHA
+#define SPARSYNC_SOURCE_SHA "unknown"
+#endif
+const char *sparsync_source_sha(void) { return SPARSYNC_SOURCE_SHA; }
 
 static int64_t compact_plain(const float *x, int64_t n, float t, int64_t base, int64_t *out, int64_t cap) {
     int64_t c = 0;
@@ -79,25 +101,26 @@ static int64_t compact_avx2(const float *x, int64_t n, float t, int64_t base, in
 }
 #endif
 
-static int have_avx2(void) {
+/* The CPU's features, read once when the library is loaded (a constructor runs at dlopen), not per
+ * call: every kernel below branches on these two flags. */
+static int cpu_avx2;
+
 #ifdef SPARSYNC_HAVE_AVX2_PATH
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
-    }
-    return cached;
-#else
-    return 0;
-#endif
+static int cpu_fma;
+
+__attribute__((constructor)) static void detect_cpu(void) {
+    __builtin_cpu_init();  /* required before __builtin_cpu_supports in a constructor */
+    cpu_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    cpu_fma = __builtin_cpu_supports("fma") ? 1 : 0;
 }
+#endif
 
 /* 1 when the vectorised path runs on this CPU (reported by sparsync.native.info()). */
-int sparsync_vectorised(void) { return have_avx2(); }
+int sparsync_vectorised(void) { return cpu_avx2; }
 
 int64_t sparsync_compact_abs_ge_f32(const float *x, int64_t n, float t, int64_t base, int64_t *out, int64_t cap) {
 #ifdef SPARSYNC_HAVE_AVX2_PATH
-    if (have_avx2()) return compact_avx2(x, n, t, base, out, cap);
+    if (cpu_avx2) return compact_avx2(x, n, t, base, out, cap);
 #endif
     return compact_plain(x, n, t, base, out, cap);
 }
@@ -194,7 +217,7 @@ static int64_t fold_avx2(float *u, float *r, const float *g, int64_t n, float m,
 void sparsync_momentum_fold_f32(float *u, float *r, const float *g, int64_t n, float m, int nesterov) {
     int64_t i = 0;
 #ifdef SPARSYNC_HAVE_AVX2_PATH
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (cpu_avx2 && cpu_fma)
         i = fold_avx2(u, r, g, n, m, nesterov);
 #endif
     fold_plain(u, r, g, i, n, m, nesterov);
@@ -254,7 +277,7 @@ static int64_t sum_check_avx2(float *out, const float *r, const float *g, int64_
 
 void sparsync_zero_nt(void *p, int64_t nbytes) {
 #ifdef SPARSYNC_HAVE_AVX2_PATH
-    if (__builtin_cpu_supports("avx2")) {
+    if (cpu_avx2) {
         zero_avx2((char *)p, nbytes);
         return;
     }
@@ -268,7 +291,7 @@ int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n
     int64_t i = 0;
     int ok = 1;
 #ifdef SPARSYNC_HAVE_AVX2_PATH
-    if (__builtin_cpu_supports("avx2")) {
+    if (cpu_avx2) {
         int64_t head = (int64_t)(((32 - ((uintptr_t)out & 31)) & 31) / sizeof(float));
         if ((uintptr_t)out % sizeof(float) == 0) {
             if (head > n) head = n;
