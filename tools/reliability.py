@@ -1,6 +1,6 @@
 """Try fault and bad-input cases and write the table of docs/reliability.md.
 
-``python -m sparsync.reliability [--out docs/reliability.md]`` runs every case below for real (real
+``python tools/reliability.py [--out docs/reliability.md]`` runs every case below for real (real
 gloo processes, real signals, real files; the thread backend where a case is about the reducers'
 arithmetic) and classifies what happened:
 
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .tables import format_table
+from sparsync.tables import format_table
 
 CASES: list = []
 
@@ -65,7 +65,7 @@ def _expect_error(fn, exc_type, pattern: str) -> tuple[str, str]:
 
 
 def _thread(fn, *args, P=4):
-    from .launch import run_local
+    from sparsync.launch import run_local
 
     return run_local(fn, P, *args, backend="thread", timeout=30)
 
@@ -73,7 +73,7 @@ def _thread(fn, *args, P=4):
 # ---------------------------------------------------------------------- bad input
 @case("bad input", "NaN, +Inf, -Inf in the gradient of every registered reducer (used directly)")
 def _nonfinite_all():
-    from .reducers.registry import load_all, make_reducer
+    from sparsync.reducers.registry import load_all, make_reducer
 
     bad_cases, total = [], 0
     for name in sorted(load_all()):
@@ -100,7 +100,7 @@ def _nonfinite_all():
 def _nonfinite_ddp():
     from torch import nn
 
-    from .ddp import SparseDDP
+    from sparsync.ddp import SparseDDP
 
     with torch.random.fork_rng(devices=[]):  # one seeded model for every rank; the caller's RNG restored
         torch.manual_seed(0)
@@ -119,7 +119,7 @@ def _nonfinite_ddp():
 
 @case("bad input", "spardl.reduce(torch.zeros(0))")
 def _empty():
-    from .reducers.registry import make_reducer
+    from sparsync.reducers.registry import make_reducer
 
     return _expect_error(lambda: _thread(lambda c: make_reducer("spardl", c, 0.05).reduce(torch.zeros(0))),
                          ValueError, "non-empty gradient")
@@ -127,7 +127,7 @@ def _empty():
 
 @case("bad input", "ranks pass different dtypes (float32 / float64)")
 def _dtypes():
-    from .reducers.registry import make_reducer
+    from sparsync.reducers.registry import make_reducer
 
     def w(c):
         return make_reducer("micro", c, 0.05).reduce(torch.randn(256, dtype=torch.float64 if c.rank else torch.float32))
@@ -137,7 +137,7 @@ def _dtypes():
 
 @case("bad input", "ranks use different densities")
 def _densities():
-    from .reducers.registry import make_reducer
+    from sparsync.reducers.registry import make_reducer
 
     return _expect_error(lambda: _thread(lambda c: make_reducer("spardl", c, 0.05 * (1 + c.rank)).reduce(
         torch.randn(256)), P=2), ValueError, "density differs across ranks")
@@ -145,7 +145,7 @@ def _densities():
 
 @case("bad input", "ranks pass different gradient sizes")
 def _numels():
-    from .reducers.registry import make_reducer
+    from sparsync.reducers.registry import make_reducer
 
     return _expect_error(lambda: _thread(lambda c: make_reducer("s2", c, 0.05).reduce(torch.randn(256 + c.rank)),
                                          P=2), ValueError, "numel differs across ranks")
@@ -153,7 +153,7 @@ def _numels():
 
 @case("bad input", "SparseVec(numel=2.7)")
 def _sparsevec():
-    from .sparse import SparseVec
+    from sparsync.sparse import SparseVec
 
     return _expect_error(lambda: SparseVec(torch.tensor([0]), torch.tensor([1.0]), 2.7), TypeError, "integer")
 
@@ -205,8 +205,8 @@ def _runs_dir_ro():
 
 
 def _train_cfg(name, steps=4, **kw):
-    from .train.loop import validate
-    from .train.runs import TrainConfig
+    from sparsync.train.loop import validate
+    from sparsync.train.runs import TrainConfig
 
     d = dict(workload="digits-mlp", workload_options={"width": 16}, reducer="micro", density=0.05, workers=2,
              steps=steps, eval_every=2, runs_dir=_TMP, name=name, network="thread", progress=False, timeout=60)
@@ -218,8 +218,8 @@ def _train_cfg(name, steps=4, **kw):
 
 @case("bad input", "`--resume` from a checkpoint whose pickle runs os.system")
 def _evil():
-    from .train.loop import launch
-    from .train.runs import CheckpointError
+    from sparsync.train.loop import launch
+    from sparsync.train.runs import CheckpointError
 
     launch(_train_cfg("evil", 2))
     ck = Path(_TMP) / "evil" / "checkpoints" / "step_000002" / "rank0.pt"
@@ -243,8 +243,8 @@ class _Evil:
 
 @case("bad input", "`--resume` from a truncated / garbage checkpoint file")
 def _corrupt():
-    from .train.loop import launch
-    from .train.runs import CheckpointError
+    from sparsync.train.loop import launch
+    from sparsync.train.runs import CheckpointError
 
     launch(_train_cfg("corrupt", 2))
     (Path(_TMP) / "corrupt" / "checkpoints" / "step_000002" / "rank1.pt").write_bytes(b"PK\x03\x04garbage")
@@ -254,8 +254,8 @@ def _corrupt():
 # ---------------------------------------------------------------------- disk
 @case("disk", "disk full (ENOSPC) while rank 1 saves a checkpoint")
 def _enospc():
-    from .train import runs as R
-    from .train.loop import launch
+    from sparsync.train import runs as R
+    from sparsync.train.loop import launch
 
     real = torch.save
 
@@ -279,8 +279,8 @@ def _enospc():
 
 @case("disk", "checkpoint every 2 steps for 12 steps (pruning), temp files of a killed save")
 def _prune():
-    from .train.loop import launch
-    from .train.runs import RunDir
+    from sparsync.train.loop import launch
+    from sparsync.train.runs import RunDir
 
     launch(_train_cfg("prune", 12, checkpoint_every=2))
     rd = RunDir(Path(_TMP) / "prune")
@@ -346,15 +346,15 @@ def descendants(pid: int) -> list[int]:
 
 def alive(pid: int) -> bool:
     """Exists and is not a zombie (a zombie runs nothing and holds nothing)."""
-    from .launch import proc_state
+    from sparsync.launch import proc_state
 
     return proc_state(pid) not in (None, "Z", "X")
 
 
 def leftovers(launcher_pid: int, pids) -> dict:
     """What a launcher left: live processes among ``pids``, its stores, its namespaces (empty lists: nothing)."""
-    from .cluster import PREFIX, list_namespaces
-    from .launch import STORE_PREFIX
+    from sparsync.cluster import PREFIX, list_namespaces
+    from sparsync.launch import STORE_PREFIX
 
     return {"processes": [p for p in pids if alive(p)],
             "stores": glob.glob(os.path.join(tempfile.gettempdir(), f"{STORE_PREFIX}{launcher_pid}-*")),
@@ -404,7 +404,7 @@ def _term_launcher():
 
 @case("process", "kill -9 of the launcher on the emulated 1 Gbit/s network", limit=300)
 def _kill_launcher_netns():
-    from .cluster import netns_unavailable_reason
+    from sparsync.cluster import netns_unavailable_reason
 
     reason = netns_unavailable_reason()
     if reason:
@@ -425,7 +425,7 @@ def _stop_worker(comm):
 
 @case("process", "SIGSTOP of rank 1 (the others time out)", limit=120)
 def _sigstop():
-    from .launch import RankFailed, run_local
+    from sparsync.launch import RankFailed, run_local
 
     return _expect_error(lambda: run_local(_stop_worker, 3, backend="gloo", timeout=5), RankFailed,
                          r"rank 1 of 3 stopped responding")
@@ -497,7 +497,7 @@ def table(rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m sparsync.reliability", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python tools/reliability.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="markdown file whose <!-- table --> section is replaced")
     ap.add_argument("--only", default=None, help="run the cases whose description contains this text")
     ap.add_argument("--cost", action="store_true", help="measure the non-finite check instead (<!-- cost -->)")
