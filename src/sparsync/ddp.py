@@ -374,10 +374,12 @@ class DDPHook:
     where the reduction runs inside the hook). With ``find_unused_parameters=True`` DDP issues its
     own all-reduce during backward; give the hook its own group then (``state=dist.new_group()``).
 
-    **State**, saved like PowerSGD's: ``torch.save(hook, f)`` pickles the hook's state without the
-    process group, worker thread or module (``hook.state_dict()`` / ``load_state_dict`` give the
-    same as a dict); ``hook = torch.load(f, weights_only=False)`` and register it again
-    (``model.register_comm_hook(model, hook)`` gives it the module for the per-parameter layout).
+    **State**: ``hook.state_dict()`` is tensors and plain data (no process group, worker thread or
+    module): ``torch.save(hook.state_dict(), f)``, then ``hook.load_state_dict(torch.load(f,
+    weights_only=True))`` on a fresh hook - ``weights_only=True``, so a crafted file cannot run code -
+    and register it again (``model.register_comm_hook(model, hook)`` gives it the module for the
+    per-parameter layout). ``torch.save(hook, f)`` also works, like PowerSGD's state, but loading a
+    pickled object needs ``weights_only=False``: only for files you trust.
 
     DDP lays its buckets out in one order in the first iteration and rebuilds them in gradient-ready
     order after it, so a bucket's contents can move. The hook therefore needs to know the model's

@@ -24,9 +24,9 @@
 * A rank that is stopped (SIGSTOP, a debugger) is named as the culprit when the others time out.
 * ``timeout`` is a *stall* timeout, not a deadline: the run is stopped when no rank has made
   progress for ``timeout`` seconds - a collective that waits that long fails in the ranks, and the
-  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step; a
-  function that never beats gets ``timeout`` as a deadline, as before). ``time_limit`` (default
-  none) is the separate limit on the whole run.
+  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step; for a
+  function that never beats, ``timeout`` counts from the start, a deadline; the rendezvous, too,
+  must complete within it). ``time_limit`` (default none) is the separate limit on the whole run.
 * ``world_size`` of process ranks is bounded before anything starts (:func:`check_local_workers`:
   file descriptors, processes, memory, cores), with one line naming the limit that binds.
 * ``placement``: an optional callable ``placement(rank) -> dict`` run in the child before the
@@ -594,12 +594,11 @@ def _reported_cause(pending, wait_s: float = 0.5):
     return None
 
 
-def _stall_grace(timeout: float, beating: bool) -> float:
+def _stall_grace(timeout: float) -> float:
     """How long past the stall timeout the launcher waits before stopping the ranks itself, so that
     a collective that waited ``timeout`` in a rank reports first (naming the rank that did not
-    answer): 30 s before the first :func:`progress` beat (start-up; a function that never beats
-    keeps ``timeout + 30`` as its deadline), half the timeout (30 s at most) after it."""
-    return min(30.0, 0.5 * timeout) if beating else 30.0
+    answer): half the timeout, 30 s at most."""
+    return min(30.0, 0.5 * timeout)
 
 
 def _blame_stuck(procs, world_size, r, exc, pending, timeout) -> None:
@@ -628,9 +627,8 @@ def _collect(procs, conns, world_size, timeout, beats=None, time_limit=None):
         if time_limit is not None and now - start > time_limit:
             raise RankFailed(f"the run exceeded its time limit of {time_limit:g} s (--time-limit); ranks {missing} "
                              f"of {world_size} were still running and were stopped")
-        beat = max(beats) if beats is not None else 0.0
-        last = max(start, beat)
-        stall = timeout + _stall_grace(timeout, beat > 0)
+        last = max(start, max(beats)) if beats is not None else start
+        stall = timeout + _stall_grace(timeout)
         if now - last > stall:
             _blame_stopped(procs, world_size, None, f"no progress for {now - last:.0f} s")
             raise RankFailed(f"no progress for {now - last:.0f} s (the stall timeout, --timeout {timeout:g}): ranks "
