@@ -118,7 +118,7 @@ def plan(args) -> tuple[Path, list]:
         have = {c["reducer"] for c in configs}
         configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}, "convergence": {}}
                    for b in BASELINES if b not in have] + configs
-    name = args.name or f"compare-{args.workload}-P{args.workers}"
+    name = args.name if args.name is not None else f"compare-{args.workload}-P{args.workers}"
     _check_name(name, "--name")
     root = Path(args.runs_dir) / name
     cfgs, seen = [], set()
