@@ -167,10 +167,9 @@ def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str 
     path = Path(path)
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise RunExists(f"{path} exists and is not a directory; pick another --name or --runs-dir")
-    path.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(path, what).acquire()
-    try:
-        if any(x.name != LOCK for x in path.iterdir()):
+
+    def refuse_unless_ours():
+        if path.is_dir() and any(x.name != LOCK for x in path.iterdir()):
             if not force:
                 raise RunExists(f"{what} {path} already exists; pass --force to overwrite it, "
                                 + ("--resume to continue it, " if kind == "train" else "")
@@ -178,6 +177,14 @@ def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str 
             if not is_run(path, kind):
                 raise RunExists(f"{path} exists and is not a sparsync {'run' if kind == 'train' else 'comparison'} "
                                 "directory (no marker file); --force deletes only those - pick another --name")
+            return True
+        return False
+
+    refuse_unless_ours()  # before anything is created in a directory that is not ours
+    path.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(path, what).acquire()
+    try:
+        if refuse_unless_ours():  # again under the lock: another process may have written meanwhile
             _clear(path)
         _atomic_write(path / MARKER, json.dumps({"format": RUN_FORMAT, "kind": kind, "job": job}))
     except BaseException:
