@@ -431,6 +431,405 @@ def _sigstop():
                          r"rank 1 of 3 stopped responding")
 
 
+# ---------------------------------------------------------------------- run directories
+def _main(argv: list[str]) -> tuple[int, str]:
+    """``sparsync.cli.main`` in this process (no interpreter start-up): exit code and stderr."""
+    import io
+
+    from sparsync.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    return rc, err.getvalue().strip()
+
+
+def _main_case(argv, code, pattern, left=None):
+    """One command in this process: "clean error" when it exits ``code`` with one line matching
+    ``pattern`` and ``left()`` (what must not have happened) says nothing."""
+    rc, err = _main(argv)
+    lines = err.splitlines()
+    last = lines[-1] if lines else ""
+    harm = left() if left else None
+    if harm:
+        return "silent wrong", f"exit {rc}: {harm}"
+    if rc == code and len(lines) == 1 and re.search(pattern, last):
+        return "clean error", f"exit {rc}: {last}"
+    return ("silent wrong" if rc == 0 else "unclear error"), f"exit {rc}: {err[-300:]}"
+
+
+_COMPARE = ["compare", "--thread", "--workload", "digits-mlp", "--workload-option", "width=16", "--workers", "2",
+            "--configs", "micro:0.05", "--no-baselines", "--no-progress", "--steps", "2"]
+
+
+def _tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
+
+
+@case("run dir", "`--name ../victim`, `/abs/path`, `''`, `.`, with and without `--force`, in `train` and `compare`")
+def _names():
+    victim, runs = Path(_TMP) / "victim", Path(_TMP) / "names"
+    victim.mkdir(exist_ok=True)
+    (victim / "precious").write_text("x")
+    _main(["train", *_SMALL, "--steps", "2", "--runs-dir", str(runs), "--name", "other"])
+    before, outs = (_tree(victim), _tree(runs)), []
+    for name in ("../victim", str(victim), "", "."):
+        for force in ([], ["--force"]):
+            for cmd in (["train", *_SMALL, "--steps", "2"], _COMPARE):
+                outs.append(_main([*cmd, "--runs-dir", str(runs), "--name", name, *force]))
+    if (_tree(victim), _tree(runs)) != before:
+        return "silent wrong", "something was deleted or created"
+    if all(rc == 2 and len(e.splitlines()) == 1 and "single directory name" in e for rc, e in outs):
+        return "clean error", f"{len(outs)} commands, each exit 2: {outs[0][1]}; nothing deleted or created"
+    return "unclear error", "; ".join(f"exit {rc}: {e[-120:]}" for rc, e in outs if rc != 2)[:300]
+
+
+@case("run dir", "`--force` on a directory that is not a sparsync run (`train`, `compare`)")
+def _force_foreign():
+    runs = Path(_TMP) / "foreign"
+    mine = runs / "mine"
+    mine.mkdir(parents=True, exist_ok=True)
+    (mine / "notes.txt").write_text("mine")
+    out = _main_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(runs), "--name", "mine", "--force"], 2,
+                     r"is not a sparsync run directory \(no marker file\); --force deletes only those",
+                     lambda: None if (mine / "notes.txt").exists() else "the directory was deleted")
+    out2 = _main_case([*_COMPARE, "--runs-dir", str(runs), "--name", "mine", "--force"], 2,
+                      r"is not a sparsync comparison directory",
+                      lambda: None if (mine / "notes.txt").exists() else "the directory was deleted")
+    return out if out[0] != "clean error" else out2[0], out[1] + " (compare: the same)"
+
+
+@case("run dir", "`--force` and a second `--resume` while a run is live (loopback)", limit=300)
+def _live():
+    from sparsync.train.runs import RunDir
+
+    metrics = Path(_TMP) / "live" / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "sparsync.cli", "train", "--workload", "digits-mlp", "--workload-option", "width=16",
+           "--reducer", "micro", "--workers", "2", "--steps", "100000", "--eval-every", "100000", "--runs-dir", _TMP,
+           "--name", "live", "--no-progress"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 240
+        while p.poll() is None and time.monotonic() < end:
+            with contextlib.suppress(OSError):
+                if len(metrics.read_text().splitlines()) >= 4:
+                    break
+            time.sleep(0.05)
+        outs = [_main([*cmd[3:], *extra]) for extra in (["--force"], ["--resume"])]
+        alive_after = p.poll() is None
+    finally:
+        p.kill()
+        p.communicate()
+    steps = [m["step"] for m in RunDir(Path(_TMP) / "live").metrics()]
+    if not alive_after or steps != list(range(len(steps))):
+        return "silent wrong", f"live run alive: {alive_after}; its steps in order: {steps == list(range(len(steps)))}"
+    want = f"is in use by another sparsync process (pid {p.pid})"
+    if all(rc == 2 and len(e.splitlines()) == 1 and want in e for rc, e in outs):
+        return "clean error", f"both exit 2: {outs[0][1]}; the live run goes on"
+    return "unclear error", "; ".join(f"exit {rc}: {e[-150:]}" for rc, e in outs)
+
+
+@case("run dir", "`--resume --steps 4` of a finished 8-step run (checkpoints every 4)")
+def _resume_fewer():
+    from sparsync.train.runs import RunDir
+
+    base = ["train", *_SMALL, "--checkpoint-every", "4", "--runs-dir", _TMP, "--name", "fewer"]
+    _main([*base, "--steps", "8"])
+    rd = RunDir(Path(_TMP) / "fewer")
+    return _main_case([*base, "--steps", "4", "--resume"], 2, r"already holds step 8; pass --steps 8 or more",
+                      lambda: None if rd.latest_step() == 8 and (rd.ckpt_dir(8) / "rank1.pt").exists()
+                      and rd.checkpoint_steps() == [4, 8] else f"checkpoints now {rd.checkpoint_steps()}")
+
+
+@case("disk", "torn last line of metrics.jsonl (a cut-short write), then `--resume`")
+def _torn():
+    from sparsync.train.runs import read_metrics
+
+    base = ["train", *_SMALL, "--checkpoint-every", "2", "--runs-dir", _TMP, "--name", "torn"]
+    _main([*base, "--steps", "4"])
+    mf = Path(_TMP) / "torn" / "metrics.jsonl"
+    with open(mf, "a") as f:
+        f.write('{"step": 4, "loss": 0.1')
+    rc, err = _main([*base, "--steps", "6", "--resume"])
+    steps = [m["step"] for m in read_metrics(mf)]
+    if rc == 0 and steps == list(range(6)) and f"{mf}: ignoring its torn last line" in err:
+        return "recovers", "warning names the file and drops the torn line; resume completes, steps 0-5 once each"
+    return "unclear error", f"exit {rc}: {err[-200:]}; steps {steps}"
+
+
+@case("disk", "disk full while rank 0 appends metrics (64 KiB tmpfs)")
+def _metrics_enospc():
+    if os.geteuid() != 0:
+        return "not tried", "needs root to mount a small tmpfs"
+    d = Path(_TMP) / "small"
+    d.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], check=True)
+    try:
+        return _main_case(["train", *_SMALL, "--steps", "100000", "--eval-every", "100000", "--runs-dir", str(d),
+                           "--name", "x"], 2, rf"No space left on device \(writing the metrics file\): {d}/x/metrics")
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+# ---------------------------------------------------------------------- limits and processes
+def _beating(comm, steps):
+    from sparsync.launch import progress
+
+    for _ in range(steps):
+        comm.allreduce(torch.ones(8))
+        progress()
+        time.sleep(0.02)
+    return steps
+
+
+def _stuck(comm):
+    from sparsync.launch import progress
+
+    for i in range(1_000_000):
+        if comm.rank == 1 and i == 5:
+            time.sleep(3600)
+        comm.allreduce(torch.ones(8))
+        progress()
+
+
+@case("process", "stall timeout 2 s: a run that keeps progressing for 8 s")
+def _stall_progress():
+    from sparsync.launch import run_local
+
+    t0 = time.monotonic()
+    try:
+        run_local(_beating, 2, 400, backend="gloo", timeout=2.0)
+    except Exception as e:  # noqa: BLE001
+        return "silent wrong", f"stopped although progressing: {type(e).__name__}: {str(e)[:150]}"
+    return "recovers", f"completed in {time.monotonic() - t0:.1f} s (--timeout counts no progressing time)"
+
+
+@case("process", "stall timeout 2 s: rank 1 stops making progress")
+def _stall_stuck():
+    from sparsync.launch import RankFailed, run_local
+
+    t0 = time.monotonic()
+    out = _expect_error(lambda: run_local(_stuck, 2, backend="gloo", timeout=2.0), RankFailed,
+                        r"rank 1 of 2 made no progress for 2 s \(the stall timeout")
+    return out[0], out[1] + f" (after {time.monotonic() - t0:.1f} s)"
+
+
+@case("process", "`--workers 300`, `--workers 1e12` (loopback)")
+def _many_workers():
+    runs = Path(_TMP) / "many"
+    stores = set(glob.glob(os.path.join(tempfile.gettempdir(), "sparsync-store-*")))
+    outs = [_main(["train", "--workload", "digits-mlp", "--workers", w, "--steps", "2", "--no-progress",
+                   "--runs-dir", str(runs)]) for w in ("300", "1e12")]
+    leaked = set(glob.glob(os.path.join(tempfile.gettempdir(), "sparsync-store-*"))) - stores
+    if runs.exists() or leaked:
+        return "silent wrong", f"created {runs.exists()}, stores leaked {sorted(leaked)}"
+    if all(rc == 2 and len(e.splitlines()) == 1 and "local ranks fit here" in e for rc, e in outs):
+        return "clean error", f"exit 2: {outs[0][1]}; nothing forked or created"
+    return "unclear error", "; ".join(f"exit {rc}: {e[-150:]}" for rc, e in outs)
+
+
+@case("process", "kill -9 while the emulated cluster is being built (8 ranks)", limit=180)
+def _kill_build():
+    from sparsync.cluster import PREFIX, _delete_namespaces, list_namespaces, netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        return "not tried", reason
+    code = "import time; from sparsync.cluster import EmulatedCluster; EmulatedCluster(8, bandwidth='1gbit').start()"
+    p = subprocess.Popen([sys.executable, "-c", code + "; time.sleep(60)"])
+    mine = f"{PREFIX}{p.pid}s"
+    try:
+        end = time.monotonic() + 120
+        while not any(n.startswith(mine) for n in list_namespaces()):
+            if p.poll() is not None or time.monotonic() > end:
+                return "unclear error", "the build never started"
+            time.sleep(0.005)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        while (left := [n for n in list_namespaces() if n.startswith(mine)]) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    if left:
+        _delete_namespaces(left)
+        return "silent wrong", f"{len(left)} namespaces left after 10 s"
+    return "recovers", f"killed at the first namespace; none left {time.monotonic() - t0:.1f} s later"
+
+
+def _torchrun(*args, name, max_restarts=0):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--nproc-per-node", "2", "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "sparsync.cli", "train",
+            "--workload", "digits-mlp", "--workload-option", "width=16", "--reducer", "micro", "--no-progress",
+            "--runs-dir", _TMP, "--name", name, *args]
+
+
+@case("process", "kill -9 of the torchrun agent (2 workers)", limit=300)
+def _kill_agent():
+    metrics = Path(_TMP) / "agent" / "metrics.jsonl"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    p = subprocess.Popen(_torchrun("--steps", "100000", "--eval-every", "100000", name="agent"), env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and p.poll() is None:
+        with contextlib.suppress(OSError):
+            if len(metrics.read_text().splitlines()) >= 4:
+                break
+        time.sleep(0.05)
+    workers = [q for q in descendants(p.pid) if _env_has(q, b"RANK=")]
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    t0 = time.monotonic()
+    while any(alive(q) for q in workers) and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    left = [q for q in workers if alive(q)]
+    for q in left:
+        os.kill(q, signal.SIGKILL)
+    if left or len(workers) != 2:
+        return "silent wrong", f"workers {workers}, alive 5 s after the agent died: {left}"
+    return "recovers", f"both workers gone {time.monotonic() - t0:.2f} s after the agent died (parent-death watch)"
+
+
+def _env_has(pid: int, prefix: bytes) -> bool:
+    try:
+        return any(kv.startswith(prefix) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+    except OSError:
+        return False
+
+
+@case("process", "torchrun `--max-restarts 1` on an existing run without `--force`", limit=300)
+def _restart_refusal():
+    from sparsync.train.runs import is_run
+
+    _main(["train", *_SMALL, "--steps", "2", "--runs-dir", _TMP, "--name", "taken"])
+    target = Path(_TMP) / "taken"
+    before = _tree(target)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    p = subprocess.run(_torchrun("--steps", "4", name="taken", max_restarts=1), env=env, capture_output=True,
+                       text=True, timeout=280)
+    if _tree(target) != before or not is_run(target):
+        return "silent wrong", "the restart took the existing run over"
+    n = p.stderr.count("already exists; pass --force to overwrite it")
+    if p.returncode != 0 and n >= 2:
+        return "clean error", f"attempt 0 and the restart both refuse (RunExists, {n} lines); the run is untouched"
+    return "unclear error", f"exit {p.returncode}: {p.stderr[-300:]}"
+
+
+# ---------------------------------------------------------------------- values
+@case("bad input", "a crafted SparseDDP checkpoint loaded as the README teaches (`weights_only=True`)")
+def _readme_load():
+    import pickle
+
+    path, marker = Path(_TMP) / "ckpt.pt", Path(_TMP) / "pwned-readme"
+    torch.save({"model": {"_extra_state": _Evil(str(marker))}}, path)
+    try:
+        torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"unsupported GLOBAL \S+", str(e))
+        if marker.exists():
+            return "silent wrong", "the payload ran"
+        if found:
+            return "clean error", f"UnpicklingError: ... Trying to load {found.group(0)} ... (payload not run)"
+        return "unclear error", str(e)[:200]
+    return "silent wrong", "loaded"
+
+
+@case("bad input", "a finite gradient (3e38 on rank 1) that overflows the residual, every reducer with one")
+def _residual_overflow():
+    from sparsync.reducers.registry import load_all, make_reducer
+
+    from sparsync import native
+
+    bad = []
+    for name, off in [(n, off) for n in sorted(load_all()) for off in (False, True)]:
+        if name in ("dense", "s2"):  # dense keeps no residual; s2: the next row
+            continue
+
+        def w(comm, name=name):
+            r = make_reducer(name, comm, 0.05)
+            for step in range(6):
+                g = torch.randn(4096, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+                out = r.reduce(3e38 * torch.sign(g) if comm.rank == 1 else g)
+                if not torch.isfinite(out).all() or (r.residual is not None and not torch.isfinite(r.residual).all()):
+                    return "non-finite, no error"
+            return "ok"
+
+        try:
+            with native.switched_off() if off else contextlib.nullcontext():
+                res = _thread(w)
+            if not (name == "hard_threshold" and res[1] == "ok"):  # it sends every large entry: nothing overflows
+                bad.append(f"{name}: {res[1]}")
+        except FloatingPointError as e:
+            if "residual overflowed" not in str(e):
+                bad.append(f"{name}: {str(e)[:80]}")
+    if bad:
+        return "silent wrong", "; ".join(bad)
+    return "clean error", ("FloatingPointError 'rank 1: <reducer>.reduce: the error-feedback residual overflowed at "
+                           "step 1: gradient + residual is Inf/NaN in ~1970 of 4096 entries although the gradient "
+                           "is finite ...' (C and torch kernels; hard_threshold sends every such entry)")
+
+
+@case("bad input", "a finite gradient of 3e38 on rank 1 under s2 (its count sketch sums entries per cell)")
+def _s2_sketch():
+    from sparsync.reducers.registry import make_reducer
+
+    def w(comm):
+        r = make_reducer("s2", comm, 0.05)
+        g = torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank))
+        out = r.reduce(3e38 * torch.sign(g) if comm.rank == 1 else g)
+        return bool(torch.isfinite(out).all())
+
+    try:
+        finite = _thread(w)
+    except FloatingPointError as e:
+        return "clean error", f"FloatingPointError: {str(e)[:200]}"
+    return ("recovers", "output finite") if all(finite) else ("silent wrong", "the sketch table overflows: Inf out")
+
+
+_TL = ["train-linear", "--backend", "thread", "--workers", "2", "--epochs", "1", "--samples", "400", "--features",
+       "1000", "--nnz", "5"]
+
+for _argv, _pattern in ((["--lr", "nan"], r"--lr must be a finite number"),
+                        (["--lr", "-1"], r"--lr must be a finite number in \(0, inf\]"),
+                        (["--l2", "nan"], r"--l2 must be a finite number"),
+                        (["--global-batch", "0"], r"--global-batch: expected a positive integer")):
+    case("bad input", f"`sparsync train-linear {' '.join(_argv)}`")(
+        lambda a=_argv, p=_pattern: _main_case([*_TL, *a], 2, p))
+
+
+def _svm_case(text, pattern):
+    f = Path(_TMP) / "data.svm"
+    f.write_text(text)
+    return _main_case(["train-linear", "--backend", "thread", "--workers", "2", "--epochs", "1", "--test-fraction",
+                       "0", "--data", str(f)], 2, pattern)
+
+
+for _what, _text, _pattern in (
+        ("a feature value 1e39 (beyond float32)", "1 1:0.5 2:1e39\n-1 3:1\n", r"beyond float32's range"),
+        ("a feature index of 10^12", "1 1:0.5\n-1 1000000000000:1\n", r"not even one rank fits here"),
+        ("a malformed line", "1 1:0.5\n-1 x:1\n", r"data.svm:2: feature 'x:1' is not of the form")):
+    case("bad input", f"`sparsync train-linear --data FILE` with {_what}")(
+        lambda t=_text, p=_pattern: _svm_case(t, p))
+
+_LOOP = ["train", "--workload", "digits-mlp", "--workers", "2", "--reducer", "micro", "--steps", "2", "--no-progress"]
+for _argv, _pattern in ((["--bandwidth", "1e30gbit"], r"bandwidth must be at most 1000gbit"),
+                        (["--bandwidth", "1bit"], r"bandwidth must be at least 8kbit"),
+                        (["--seed", str(2**70)], r"--seed must be an integer in \[0, 2147483647\]"),
+                        (["--workload-option", "width=-5"], r"width must be at least 1"),
+                        (["--workload-option", "width=0"], r"width must be at least 1"),
+                        (["--workload-option", "width=abc"], r"width='abc': expected an integer"),
+                        (["--workload-option", "width=1e9"], r"not even one rank fits here, by the available memory"),
+                        (["--ddp-option", "nonfinite=bogus"], r"--ddp-option: nonfinite must be"),
+                        (["--batch-size", "1e9"], r"by the available memory .*lower --batch-size"),
+                        (["--checkpoint-every", "-1"], r"--checkpoint-every must be an integer >= 0")):
+    case("bad input", f"`sparsync train {' '.join(_argv)}`")(
+        lambda a=_argv, p=_pattern: _main_case(
+            [*_LOOP, *a, "--runs-dir", str(Path(_TMP) / "values")], 2, p,
+            lambda: "a run directory was created" if (Path(_TMP) / "values").exists() else None))
+
+
 # ---------------------------------------------------------------------- driver
 _TMP = ""
 
