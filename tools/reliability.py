@@ -784,7 +784,9 @@ def _s2_sketch():
     try:
         finite = _thread(w)
     except FloatingPointError as e:
-        return "clean error", f"FloatingPointError: {str(e)[:200]}"
+        if "sketch overflowed" in str(e):
+            return "clean error", f"FloatingPointError: {str(e)[:200]}"
+        return "unclear error", f"FloatingPointError: {str(e)[:200]}"
     return ("recovers", "output finite") if all(finite) else ("silent wrong", "the sketch table overflows: Inf out")
 
 
