@@ -17,8 +17,9 @@
   kill every rank, remove the store and are then re-delivered to the handler that was installed
   before (so an :class:`~sparsync.cluster.EmulatedCluster` deletes its namespaces, and the process
   ends the way it would have); a small *reaper* process forked first removes the store (and runs
-  :func:`on_orphan` callbacks, e.g. the cluster's namespace deletion) when the launcher dies even
-  by SIGKILL. Rank processes are named ``ss<launcher pid>r<rank>`` and stores
+  :func:`on_orphan` callbacks) when the launcher dies even by SIGKILL (:func:`start_reaper`; an
+  emulated cluster forks its own before its first namespace). Torchrun workers watch their agent
+  the same way (:func:`comm_from_env`). Rank processes are named ``ss<launcher pid>r<rank>`` and stores
   ``sparsync-store-<launcher pid>-*`` so ``sparsync cluster cleanup`` finds leftovers of dead
   launchers (only ours).
 * A rank that is stopped (SIGSTOP, a debugger) is named as the culprit when the others time out.
@@ -269,8 +270,7 @@ def on_orphan(fn: Callable[[], object]) -> Callable[[], None]:
     """Register ``fn()`` for the reaper: it runs when a launcher dies without cleaning up (SIGKILL).
 
     The reaper of a ``run_local`` call is forked when the call starts, with a copy of the callbacks
-    registered by then (an EmulatedCluster registers the deletion of its namespaces). Returns a
-    function that unregisters ``fn``.
+    registered by then. Returns a function that unregisters ``fn``.
     """
     _ORPHAN_CALLBACKS.append(fn)
 
