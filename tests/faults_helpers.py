@@ -22,9 +22,10 @@ def _load_harness():
 
 harness = sys.modules.get("sparsync_tools_reliability") or _load_harness()
 alive, descendants, leftovers = harness.alive, harness.descendants, harness.leftovers
-rank_pids, wait_clean = harness.rank_pids, harness.wait_clean
+rank_pids, wait_clean, tmpfs = harness.rank_pids, harness.wait_clean, harness.tmpfs
 
-__all__ = ["harness", "alive", "descendants", "leftovers", "rank_pids", "wait_clean", "train_cmd", "start_and_wait"]
+__all__ = ["harness", "alive", "descendants", "leftovers", "rank_pids", "wait_clean", "tmpfs", "train_cmd",
+           "start_and_wait"]
 
 
 def train_cmd(runs_dir, name, *extra, reducer="micro", workers=2, steps=100000, width=32) -> list[str]:

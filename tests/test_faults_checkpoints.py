@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 import torch
+from faults_helpers import tmpfs
 
 from sparsync.train import runs as runs_mod
 from sparsync.train.loop import launch, validate
@@ -120,11 +121,8 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_real_full_tmpfs_is_a_one_line_error_and_resume_works(tmp_path):
     import sys
 
-    mnt = tmp_path / "small"
-    mnt.mkdir()
     # one rank file of this model is ~60 kB: room for the first checkpoints, not for all of them
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "size=600k") as mnt:
         cmd = [sys.executable, "-m", "sparsync.cli", "train", "--thread", "--workload", "digits-mlp",
                "--workload-option", "width=32", "--reducer", "micro", "--density", "0.05", "--workers", "2",
                "--steps", "40", "--checkpoint-every", "2", "--keep-checkpoints", "0", "--runs-dir", str(mnt),
@@ -141,8 +139,6 @@ def test_real_full_tmpfs_is_a_one_line_error_and_resume_works(tmp_path):
         for r in range(2):
             runs_mod.load_checkpoint(mnt / "r" / "checkpoints" / dirs[-1] / f"rank{r}.pt",
                                      TrainConfig.from_dict(json.loads((mnt / "r" / "config.json").read_text())), r)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 # ---------------------------------------------------------------------- weights_only=True, as the README teaches

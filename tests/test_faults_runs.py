@@ -10,7 +10,7 @@ import signal
 import warnings
 
 import pytest
-from faults_helpers import start_and_wait, train_cmd
+from faults_helpers import start_and_wait, tmpfs, train_cmd
 
 from sparsync.cli import main
 from sparsync.train.runs import (MARKER, MetricsWriter, RunBusy, RunDir, RunLock, check_run_name, is_run,
@@ -196,12 +196,7 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_resume_works(tmp
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_full_disk_while_appending_metrics_names_the_file(tmp_path):
-    import subprocess
-
-    d = tmp_path / "small"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], check=True)
-    try:
+    with tmpfs(tmp_path / "small") as d:
         w = MetricsWriter(d / "metrics.jsonl")
         with pytest.raises(OSError) as e:
             for i in range(100_000):
@@ -213,5 +208,3 @@ def test_full_disk_while_appending_metrics_names_the_file(tmp_path):
             warnings.simplefilter("ignore", RuntimeWarning)
             steps = [m["step"] for m in read_metrics(d / "metrics.jsonl")]
         assert steps == list(range(len(steps))) and steps
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -190,18 +190,25 @@ def _runs_dir_file():
                      "Not a directory|not a directory")
 
 
+@contextlib.contextmanager
+def tmpfs(path, options: str = "size=64k"):
+    """A tmpfs mounted at ``path`` (created) with ``options`` for the block (root only), unmounted after."""
+    path = Path(path)
+    path.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
 @case("bad input", "`--runs-dir` on a read-only filesystem")
 def _runs_dir_ro():
     if os.geteuid() != 0:
         return "not tried", "needs root to mount a read-only tmpfs"
-    d = Path(_TMP) / "ro"
-    d.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(d)], check=True)
-    try:
+    with tmpfs(Path(_TMP) / "ro", "ro,size=64k") as d:
         return _cli_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(d), "--name", "x"], 2,
                          "Read-only file system")
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def _train_cfg(name, steps=4, **kw):
@@ -561,14 +568,9 @@ def _torn():
 def _metrics_enospc():
     if os.geteuid() != 0:
         return "not tried", "needs root to mount a small tmpfs"
-    d = Path(_TMP) / "small"
-    d.mkdir(exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(d)], check=True)
-    try:
+    with tmpfs(Path(_TMP) / "small") as d:
         return _main_case(["train", *_SMALL, "--steps", "100000", "--eval-every", "100000", "--runs-dir", str(d),
                            "--name", "x"], 2, rf"No space left on device \(writing the metrics file\): {d}/x/metrics")
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 # ---------------------------------------------------------------------- limits and processes
