@@ -182,6 +182,10 @@ def test_a_torn_last_metrics_line_is_dropped_with_a_warning_and_resume_works(tmp
         f.write('{"step": 4, "loss": 0.12, "time_s": 1.')  # a write cut short (full disk, kill)
     with pytest.warns(RuntimeWarning, match=rf"{mf}: ignoring its torn last line"):
         assert [m["step"] for m in read_metrics(mf)] == [0, 1, 2, 3]
+    from sparsync.train.records import load_runs
+
+    with pytest.warns(RuntimeWarning, match="torn last line"):  # the report's reader too
+        assert [m["step"] for m in load_runs(tmp_path / "t", with_metrics=True)[0]["metrics"]] == [0, 1, 2, 3]
     with pytest.warns(RuntimeWarning, match="torn last line"):
         assert main([*base, "--steps", "6", "--resume"]) == 0
     assert [m["step"] for m in read_metrics(mf)] == list(range(6))  # rewritten whole: no warning any more
