@@ -136,7 +136,7 @@ _CHILD = textwrap.dedent("""
 def test_signal_cleans_up(needs_netns, sig):
     p = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
     try:
-        base = p.stdout.readline().strip()
+        base = p.stdout.readline().split()[0]
         assert base.startswith(C.PREFIX) and len(_ours(base)) == 3
         p.send_signal(sig)
         p.wait(timeout=30)
