@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sparsync.reliability import alive, descendants, leftovers, rank_pids, wait_clean
 
-__all__ = ["alive", "descendants", "leftovers", "rank_pids", "wait_clean", "train_cmd", "start_and_wait"]
+def _load_harness():
+    """The fault-injection harness ``tools/reliability.py`` (a tool, not part of the package)."""
+    path = Path(__file__).resolve().parents[1] / "tools" / "reliability.py"
+    spec = importlib.util.spec_from_file_location("sparsync_tools_reliability", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+harness = sys.modules.get("sparsync_tools_reliability") or _load_harness()
+alive, descendants, leftovers = harness.alive, harness.descendants, harness.leftovers
+rank_pids, wait_clean, tmpfs = harness.rank_pids, harness.wait_clean, harness.tmpfs
+
+__all__ = ["harness", "alive", "descendants", "leftovers", "rank_pids", "wait_clean", "tmpfs", "train_cmd",
+           "start_and_wait"]
 
 
 def train_cmd(runs_dir, name, *extra, reducer="micro", workers=2, steps=100000, width=32) -> list[str]:

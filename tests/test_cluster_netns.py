@@ -127,7 +127,7 @@ _CHILD = textwrap.dedent("""
     import sys, time
     from sparsync.cluster import EmulatedCluster
     cl = EmulatedCluster(2, bandwidth="100mbit").start()
-    print(cl.base, flush=True)
+    print(cl.base, cl._reaper[0], flush=True)
     time.sleep(60)
 """)
 
@@ -136,7 +136,7 @@ _CHILD = textwrap.dedent("""
 def test_signal_cleans_up(needs_netns, sig):
     p = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
     try:
-        base = p.stdout.readline().strip()
+        base = p.stdout.readline().split()[0]
         assert base.startswith(C.PREFIX) and len(_ours(base)) == 3
         p.send_signal(sig)
         p.wait(timeout=30)
@@ -149,7 +149,8 @@ def test_signal_cleans_up(needs_netns, sig):
 
 def test_cleanup_command_removes_leftovers_of_killed_run(needs_netns):
     p = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True)
-    base = p.stdout.readline().strip()
+    base, reaper = p.stdout.readline().split()
+    os.kill(int(reaper), signal.SIGKILL)  # the cluster's reaper first: what it would delete stays behind
     p.kill()  # SIGKILL: no handler runs, the namespaces stay behind
     p.wait(timeout=30)
     assert len(_ours(base)) == 3

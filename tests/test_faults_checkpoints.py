@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 import torch
+from faults_helpers import tmpfs
 
 from sparsync.train import runs as runs_mod
 from sparsync.train.loop import launch, validate
@@ -120,11 +121,8 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_real_full_tmpfs_is_a_one_line_error_and_resume_works(tmp_path):
     import sys
 
-    mnt = tmp_path / "small"
-    mnt.mkdir()
     # one rank file of this model is ~60 kB: room for the first checkpoints, not for all of them
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "size=600k") as mnt:
         cmd = [sys.executable, "-m", "sparsync.cli", "train", "--thread", "--workload", "digits-mlp",
                "--workload-option", "width=32", "--reducer", "micro", "--density", "0.05", "--workers", "2",
                "--steps", "40", "--checkpoint-every", "2", "--keep-checkpoints", "0", "--runs-dir", str(mnt),
@@ -141,5 +139,68 @@ def test_real_full_tmpfs_is_a_one_line_error_and_resume_works(tmp_path):
         for r in range(2):
             runs_mod.load_checkpoint(mnt / "r" / "checkpoints" / dirs[-1] / f"rank{r}.pt",
                                      TrainConfig.from_dict(json.loads((mnt / "r" / "config.json").read_text())), r)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# ---------------------------------------------------------------------- weights_only=True, as the README teaches
+def _state_roundtrip(comm):
+    """torch DDP + ``ss.ddp_hook`` and SparseDDP, each saved after 4 steps as plain state
+    (``hook.state_dict()``, ``SparseDDP.state_dict()``), read back with ``torch.load(...,
+    weights_only=True)`` into fresh objects, and stepped 4 more: bitwise the uninterrupted run."""
+    import copy
+    import io
+
+    from torch import nn
+
+    import sparsync as ss
+
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3))
+
+    def steps(model, opt, lo, hi):
+        for s in range(lo, hi):
+            g = torch.Generator().manual_seed(100 * s + comm.rank)
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def roundtrip(obj):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=True)  # tensors and plain data only
+
+    out = []
+    for kind in ("hook", "sparseddp"):
+        def build(kind=kind):
+            if kind == "hook":
+                m = nn.parallel.DistributedDataParallel(copy.deepcopy(net))
+                h = ss.ddp_hook("topka", density=0.25, module=m, asynchronous=False)
+                m.register_comm_hook(m, h)
+                return m, h, torch.optim.SGD(m.parameters(), lr=0.1)
+            m = ss.SparseDDP(copy.deepcopy(net), comm, reducer="micro", density=0.25)
+            return m, m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+        straight, _, o1 = build()
+        steps(straight, o1, 0, 8)
+        first, state, o2 = build()
+        steps(first, o2, 0, 4)
+        blob = roundtrip({"state": state.state_dict(), "opt": o2.state_dict(),
+                          "model": first.module.state_dict()})
+        again, state2, o3 = build()
+        again.module.load_state_dict(blob["model"])
+        state2.load_state_dict(blob["state"])
+        o3.load_state_dict(blob["opt"])
+        steps(again, o3, 4, 8)
+        out.append(all(torch.equal(a, b) for a, b in zip(straight.module.parameters(), again.module.parameters())))
+        for m in (straight, first, again):
+            if hasattr(m, "close"):
+                m.close()
+    return out
+
+
+@pytest.mark.gloo
+def test_hook_and_sparseddp_state_load_with_weights_only_true():
+    import sparsync as ss
+
+    assert ss.run_local(_state_roundtrip, 2, backend="gloo", timeout=120) == [[True, True], [True, True]]

@@ -64,3 +64,30 @@ def test_kill9_one_rank_of_four_under_torchrun_restarts_and_resumes_bitwise(tmp_
     assert [r.get("accuracy") for r in got] == [r.get("accuracy") for r in want]
     ck = tmp_path / "elastic" / "checkpoints"
     assert sorted(x.name for x in ck.iterdir()) == ["latest", f"step_{STEPS - EVERY:06d}", f"step_{STEPS:06d}"]
+
+
+@pytest.mark.gloo
+def test_a_restart_does_not_get_past_the_already_exists_refusal(tmp_path):
+    """Attempt 0 refuses an existing run directory (no --force); the restart must refuse it too, not
+    take it over: only a run this torchrun job created itself is resumed or started over. (A
+    directory that is no sparsync run is never deleted at all: tests/test_faults_runs.py.)"""
+    import subprocess
+
+    from sparsync.train.runs import is_run
+
+    target = tmp_path / "taken"
+    ref = TrainConfig(workload="digits-mlp", workload_options={"width": 16}, reducer="micro", workers=1, steps=2,
+                      runs_dir=str(tmp_path), name="taken", network="thread", progress=False)
+    validate(ref)
+    launch(ref)
+    before = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    cmd = [torchrun, "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "sparsync.cli", "train", *ARGS,
+           "--workload-option", "width=16", "--runs-dir", str(tmp_path), "--name", "taken"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0
+    assert p.stderr.count("already exists; pass --force to overwrite it") >= 2, p.stderr[-3000:]  # both attempts
+    assert sorted(str(q.relative_to(target)) for q in target.rglob("*")) == before  # untouched
+    assert is_run(target) and (target / "summary.json").exists()

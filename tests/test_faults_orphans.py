@@ -2,6 +2,7 @@
 the emulated network - every rank process, the rendezvous store and the namespaces are gone within
 5 s; ``sparsync cluster cleanup`` ends leftover rank processes and stores of dead launchers only."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -112,3 +113,69 @@ def test_cleanup_ends_leftover_ranks_and_stores_of_dead_launchers_only(tmp_path)
         for d in (*stores.values(), other):
             if os.path.isdir(d):
                 os.rmdir(d)
+
+
+@pytest.mark.netns
+def test_sigkill_while_the_emulated_cluster_is_built_leaves_no_namespace(needs_netns):
+    """The cluster's reaper is forked before its first namespace exists: a SIGKILL in the middle of
+    the build (here: as soon as the first namespace appears) leaves none of this process's."""
+    code = ("import time; from sparsync.cluster import EmulatedCluster; "
+            "EmulatedCluster(8, bandwidth='1gbit').start(); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code])
+    mine = f"{C.PREFIX}{p.pid}s"
+    try:
+        end = time.monotonic() + 120
+        while not any(n.startswith(mine) for n in C.list_namespaces()):
+            assert p.poll() is None and time.monotonic() < end, "the cluster build never started"
+            time.sleep(0.005)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        end = time.monotonic() + 10
+        while (left := [n for n in C.list_namespaces() if n.startswith(mine)]) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert left == [], f"namespaces left 10 s after SIGKILL during the build: {left}"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        C._delete_namespaces([n for n in C.list_namespaces() if n.startswith(mine)])
+
+
+def _env_rank(pid):
+    try:
+        env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return None
+    return next((int(kv[5:]) for kv in env if kv.startswith(b"RANK=")), None)
+
+
+@pytest.mark.gloo
+def test_torchrun_workers_die_with_their_agent(tmp_path):
+    """SIGKILL of the torchrun agent: its workers (comm_from_env) get SIGKILL from the kernel or their
+    parent-pid watch, instead of training on as orphans."""
+    from faults_helpers import alive
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    cmd = [torchrun, "--nproc-per-node", "2", "--monitor-interval", "0.2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", *train_cmd(tmp_path, "orphans", width=16)[1:]]
+    metrics = tmp_path / "orphans" / "metrics.jsonl"
+    p = start_and_wait(cmd, metrics, lines=4, env=env)
+    workers = []
+    try:
+        workers = [q for q in descendants(p.pid) if _env_rank(q) is not None]
+        assert len(workers) == 2
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        end = time.monotonic() + 5
+        while any(alive(q) for q in workers) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not any(alive(q) for q in workers), "torchrun workers trained on after their agent died"
+        n = len(metrics.read_text().splitlines())
+        time.sleep(1.0)
+        assert len(metrics.read_text().splitlines()) == n
+    finally:
+        if p.poll() is None:
+            p.kill()
+        for q in workers:
+            with contextlib.suppress(OSError):
+                os.kill(q, signal.SIGKILL)

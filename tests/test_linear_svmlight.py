@@ -72,5 +72,5 @@ def test_cli_reports_bad_file(tmp_path, capsys):
     from sparsync.cli import main
 
     p = _write(tmp_path, "1 1:1\n-1 oops\n")
-    assert main(["train-linear", "--data", str(p), "--backend", "thread"]) == 1
-    assert f"{p}:2:" in capsys.readouterr().err
+    assert main(["train-linear", "--data", str(p), "--backend", "thread"]) == 2  # the user's to fix: exit 2
+    assert capsys.readouterr().err.startswith(f"sparsync train-linear: error: {p}:2:")

@@ -160,10 +160,13 @@ def test_sum_check_is_torchs_add_and_finds_every_nonfinite(n):
     for shift in range(9):
         g, r = _misaligned(n, shift, gen, 1e3), _misaligned(n, (shift * 5) % 9, gen)
         out = _misaligned(n, (shift * 3) % 8, gen)
-        if n >= 9:  # signed zeros and sums that overflow are finite inputs: added, not refused
+        if n >= 9:  # signed zeros: added; finite inputs whose sum overflows: added, and refused (the sum is checked)
             g[:4], r[:4] = torch.tensor([-0.0, 0.0, 3e38, -3e38]), torch.tensor([-0.0, -0.0, 3e38, -3e38])
-        assert native.sum_check(out, r, g)
+        assert native.sum_check(out, r, g) == (n < 9)
         assert torch.equal(out.view(torch.int32), torch.add(g, r).view(torch.int32))  # bits, -0.0 included
+        if n >= 9:
+            r[2:4] = 0.0
+            assert native.sum_check(out, r, g)  # the same finite g, a residual that does not overflow
         assert native.sum_check(out, None, g) and torch.equal(out.view(torch.int32), g.view(torch.int32))
         for pos in {0, n // 2, n - 1} if n else ():
             for bad in (float("nan"), float("inf"), -float("inf")):

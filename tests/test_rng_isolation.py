@@ -58,7 +58,7 @@ def test_plan_load_model_factory(tmp_path, monkeypatch):
 
 def test_bench_engine_build_and_reliability_case():
     from sparsync.bench.engine import build
-    from sparsync.reliability import _nonfinite_ddp
+    from faults_helpers import harness
 
     before = _after_noise(5)
     m1, _, _ = build("digits-mlp", 4)
@@ -68,6 +68,6 @@ def test_bench_engine_build_and_reliability_case():
     assert all(torch.equal(a, b) for a, b in zip(_params(m1), _params(m2)))
 
     before = _after_noise(7)
-    outcome, _ = _nonfinite_ddp()
+    outcome, _ = harness._nonfinite_ddp()
     assert outcome == "clean error"
     assert torch.equal(torch.get_rng_state(), before)

@@ -30,8 +30,10 @@ Topology of one instance (names are unique per instance: ``ssync<pid>s<subnet>``
 
 Cleanup always happens: ``__exit__``, an ``atexit`` hook, and SIGINT/SIGTERM handlers that clean
 up and then chain to the previous handler. Deleting the namespaces deletes their veths and bridge.
-When the process is killed (SIGKILL) while ``run_local`` runs ranks on the cluster, its reaper
-process deletes the namespaces (:func:`sparsync.launch.on_orphan`); the ranks die with their parent.
+When the process is killed (SIGKILL) - while the cluster is being built, or while ranks run on it
+- the cluster's own reaper process (:func:`sparsync.launch.start_reaper`), forked before the first
+namespace is made, deletes every namespace of this process (``ssync<pid>s*``); the ranks die with
+their parent.
 ``sparsync cluster cleanup`` (:func:`cleanup_stale`) removes whatever is still left: every
 namespace with our prefix whose owner process is gone, rank processes (``ss<pid>r<rank>``) of dead
 launchers and anything running inside the stale namespaces, and stale ``sparsync-store-<pid>-*``
@@ -59,6 +61,7 @@ import signal
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -105,6 +108,7 @@ _BURST_S = 1e-3
 _QUEUE_S = 20e-3
 
 _counter = itertools.count()
+MAX_BANDWIDTH = 10**12  # bits/s; 20 ms of it in bytes stays below 2^32
 
 
 class ClusterUnavailable(RuntimeError):
@@ -127,6 +131,16 @@ def parse_bandwidth(bw) -> int | None:
     if not val >= 8000:  # 1 kB/s: lower is a unit mistake (the 64 KiB tbf bucket alone takes a minute)
         raise ValueError(f"bandwidth must be at least 8kbit, got {bw!r}")
     return int(val)
+
+
+def link_bandwidth(bw) -> int | None:
+    """:func:`parse_bandwidth`, bounded by what an emulated link can hold: at most
+    :data:`MAX_BANDWIDTH` (tbf's queue of 20 ms of traffic is a 32-bit byte count)."""
+    val = parse_bandwidth(bw)
+    if val is not None and not val <= MAX_BANDWIDTH:
+        raise ValueError(f"bandwidth must be at most {format_bandwidth(MAX_BANDWIDTH)} for an emulated link (tc's "
+                         f"token bucket holds {_QUEUE_S * 1e3:g} ms of traffic in a 32-bit byte count), got {bw!r}")
+    return val
 
 
 def format_bandwidth(bits: int | None) -> str:
@@ -210,6 +224,17 @@ def _delete_namespaces(names) -> list[str]:
         if p.returncode != 0 and os.path.exists(os.path.join(NETNS_DIR, ns)):
             failed.append(f"{ns}: {p.stderr.strip()}")
     return failed
+
+
+def _namespaces_of(pid: int) -> Callable[[], None]:
+    """The reaper's cleanup: delete every namespace process ``pid`` made (``ssync<pid>s*``), twice - an
+    ``ip netns add`` the dead process had started may still finish in between."""
+    def cleanup():
+        for pause in (0.0, 0.5):
+            time.sleep(pause)
+            _delete_namespaces([n for n in list_namespaces() if n.startswith(f"{PREFIX}{pid}s")])
+
+    return cleanup
 
 
 def _proc_comm(pid: str) -> str | None:
@@ -380,7 +405,7 @@ class EmulatedCluster:
         if not isinstance(world_size, int) or not 1 <= world_size <= _MAX_RANKS:
             raise ValueError(f"world_size must be an integer in [1, {_MAX_RANKS}], got {world_size!r}")
         self.world_size = world_size
-        self.bandwidth = parse_bandwidth(bandwidth)
+        self.bandwidth = link_bandwidth(bandwidth)
         self.fallback_loopback = bool(fallback_loopback)
         self.burst_bytes = burst_bytes
         self.limit_bytes = limit_bytes
@@ -392,7 +417,7 @@ class EmulatedCluster:
         self._owner_pid: int | None = None
         self._created: list[str] = []
         self._open = False
-        self._unregister_orphan: Callable[[], None] | None = None
+        self._reaper = None
 
     # -------------------------------------------------------------- public
     def __enter__(self) -> Self:
@@ -416,11 +441,11 @@ class EmulatedCluster:
             _install_handlers()
         atexit.register(self.close)
         try:
-            self._build()
-            from .launch import on_orphan
+            from .launch import start_reaper
 
-            names = list(reversed(self._created))  # run_local's reaper deletes them if we are SIGKILLed
-            self._unregister_orphan = on_orphan(lambda: _delete_namespaces(names))
+            # before the first namespace exists: a SIGKILL from here on leaves nothing behind
+            self._reaper = start_reaper(_namespaces_of(os.getpid()), name=b"sparsync-netns")
+            self._build()
         except BaseException as e:
             self.close()
             if isinstance(e, ClusterUnavailable):
@@ -447,12 +472,13 @@ class EmulatedCluster:
         if not self._open or os.getpid() != self._owner_pid:
             return
         self._open = False
-        if self._unregister_orphan is not None:
-            self._unregister_orphan()
-            self._unregister_orphan = None
         try:
             failed = _delete_namespaces(reversed(self._created))
         finally:
+            from .launch import stop_reaper
+
+            stop_reaper(self._reaper)
+            self._reaper = None
             self._created = []
             self.emulated = False
             with _plumbing_lock:

@@ -42,10 +42,12 @@ class DDPHook:
     all-reduces the used-parameter map once the last bucket is launched, and two threads issuing
     collectives on one group in a different order on different ranks deadlock.
 
-    **State**, saved like PowerSGD's: ``torch.save(hook, f)`` pickles the hook's state without the
-    process group, worker thread or module (``hook.state_dict()`` / ``load_state_dict`` give the
-    same as a dict); ``hook = torch.load(f, weights_only=False)`` and register it again
-    (``model.register_comm_hook(model, hook)`` gives it the module for the per-parameter layout).
+    **State**: ``hook.state_dict()`` is tensors and plain data (no process group, worker thread or
+    module): ``torch.save(hook.state_dict(), f)``, then ``hook.load_state_dict(torch.load(f,
+    weights_only=True))`` on a fresh hook - ``weights_only=True``, so a crafted file cannot run code -
+    and register it again (``model.register_comm_hook(model, hook)`` gives it the module for the
+    per-parameter layout). ``torch.save(hook, f)`` also works, like PowerSGD's state, but loading a
+    pickled object needs ``weights_only=False``: only for files you trust.
     The state is **per rank** (residuals: what this rank has not sent yet) and records ``rank`` and
     ``world_size``; loading another rank's state raises ``ValueError`` (another world size: a
     warning). For a checkpoint that one rank writes, ``hook.gathered_state_dict()`` (a collective)

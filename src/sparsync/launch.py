@@ -17,11 +17,19 @@
   kill every rank, remove the store and are then re-delivered to the handler that was installed
   before (so an :class:`~sparsync.cluster.EmulatedCluster` deletes its namespaces, and the process
   ends the way it would have); a small *reaper* process forked first removes the store (and runs
-  :func:`on_orphan` callbacks, e.g. the cluster's namespace deletion) when the launcher dies even
-  by SIGKILL. Rank processes are named ``ss<launcher pid>r<rank>`` and stores
+  :func:`on_orphan` callbacks) when the launcher dies even by SIGKILL (:func:`start_reaper`; an
+  emulated cluster forks its own before its first namespace). Torchrun workers watch their agent
+  the same way (:func:`comm_from_env`). Rank processes are named ``ss<launcher pid>r<rank>`` and stores
   ``sparsync-store-<launcher pid>-*`` so ``sparsync cluster cleanup`` finds leftovers of dead
   launchers (only ours).
 * A rank that is stopped (SIGSTOP, a debugger) is named as the culprit when the others time out.
+* ``timeout`` is a *stall* timeout, not a deadline: the run is stopped when no rank has made
+  progress for ``timeout`` seconds - a collective that waits that long fails in the ranks, and the
+  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step; for a
+  function that never beats, ``timeout`` counts from the start, a deadline; the rendezvous, too,
+  must complete within it). ``time_limit`` (default none) is the separate limit on the whole run.
+* ``world_size`` of process ranks is bounded before anything starts (:func:`check_local_workers`:
+  file descriptors, processes, memory, cores), with one line naming the limit that binds.
 * ``placement``: an optional callable ``placement(rank) -> dict`` run in the child before the
   process group starts (the emulated cluster uses it to enter the rank's network namespace and set
   ``GLOO_SOCKET_IFNAME``).
@@ -55,7 +63,8 @@ import torch
 from .threadcomm import RankAborted, ThreadWorld, check_thread_world_size
 
 __all__ = ["run_local", "comm_from_env", "torchrun_main", "RankFailed", "on_orphan", "STORE_PREFIX",
-           "rank_process_name", "peer_table", "lost_peer_error"]
+           "rank_process_name", "peer_table", "lost_peer_error", "progress", "check_local_workers",
+           "start_reaper", "stop_reaper"]
 
 STORE_PREFIX = "sparsync-store-"
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
@@ -81,24 +90,120 @@ def _name_rank(exc: BaseException, rank: int, world_size: int, tb: str = "") -> 
 
 def run_local(fn: Callable, world_size: int, *args, backend: str = "thread", timeout: float = 120.0,
               alpha: float = 0.0, beta: float = 0.0, placement: Callable[[int], dict] | None = None,
-              start_method: str | None = None, **kwargs) -> list:
+              start_method: str | None = None, time_limit: float | None = None, **kwargs) -> list:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
 
-    ``backend="gloo"``: one process per rank (``start_method``: see :func:`_pick_start_method`),
-    ``comm`` a CPU :class:`~sparsync.torchcomm.TorchComm`; ranks that work on a GPU wrap the same
-    group as ``TorchComm(device="cuda")``."""
+    ``timeout``: the stall timeout (seconds without progress, see the module docstring);
+    ``time_limit``: seconds for the whole run (None: no limit). ``backend="gloo"``: one process per
+    rank (``start_method``: see :func:`_pick_start_method`), ``comm`` a CPU
+    :class:`~sparsync.torchcomm.TorchComm`; ranks that work on a GPU wrap the same group as
+    ``TorchComm(device="cuda")``."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if not timeout > 0 or (time_limit is not None and not time_limit > 0):
+        raise ValueError(f"timeout and time_limit must be positive seconds, got {timeout!r}, {time_limit!r}")
     if backend == "thread":
         check_thread_world_size(world_size)  # the one limit of the thread cluster, MAX_THREAD_RANKS
-        return _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta)
+        return _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta, time_limit)
     if backend == "gloo":
-        return _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method)
+        check_local_workers(world_size)
+        return _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit)
     raise ValueError(f"unknown backend {backend!r}; valid: 'thread', 'gloo'")
 
 
+# ---------------------------------------------------------------------- limits
+#: per rank process, measured for a forked gloo rank training digits-mlp: ~45 threads at most
+#: (torch's and gloo's pools), ~120 MiB of private memory beside the shared pages of the fork
+RANK_THREADS, RANK_MEMORY = 48, 120 << 20
+#: ranks per core beyond which a run only queues (each rank's collectives wait on the others)
+RANKS_PER_CORE = 64
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            v = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if v == "max" else int(v) if v.isdigit() else None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _pids_max() -> int | None:
+    """The pids limit of this process's cgroup (v2; v1's pids controller), None if unlimited/unknown."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            rows = [line.strip().split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, ctrl, path in rows:
+        if ctrl in ("", "pids"):
+            base = "/sys/fs/cgroup" if ctrl == "" else "/sys/fs/cgroup/pids"
+            v = _read_int(os.path.join(base, path.lstrip("/"), "pids.max"))
+            if v is not None:
+                return v
+    return None
+
+
+def local_worker_limit(per_rank_memory: int = RANK_MEMORY, processes: bool = True) -> tuple[int, str]:
+    """``(bound, what binds)``: how many ranks this machine can run, the smallest of memory
+    (MemAvailable / ``per_rank_memory``) and, for process ranks (``processes``), file descriptors
+    (the launcher holds ~4 per rank: RLIMIT_NOFILE), processes and threads (RLIMIT_NPROC, the
+    cgroup's pids.max: ~48 threads per rank) and cores (64 ranks per core)."""
+    import resource
+
+    bounds = []
+    mem = _mem_available()
+    if mem is not None:
+        bounds.append((mem // max(1, per_rank_memory),
+                       f"the available memory ({format_bytes(mem)}; ~{format_bytes(per_rank_memory)} per rank)"))
+    if not processes:
+        return min(bounds) if bounds else (1 << 62, "nothing")
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if nofile != resource.RLIM_INFINITY:
+        bounds.append(((nofile - 64) // 4, f"the open-file limit (ulimit -n {nofile}; ~4 per rank)"))
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if nproc != resource.RLIM_INFINITY and os.geteuid() != 0:
+        bounds.append((nproc // RANK_THREADS,
+                       f"the process limit (ulimit -u {nproc}; ~{RANK_THREADS} threads per rank)"))
+    pids = _pids_max()
+    if pids is not None:
+        bounds.append((pids // RANK_THREADS, f"the cgroup's pids.max {pids} (~{RANK_THREADS} threads per rank)"))
+    cores = os.cpu_count() or 1
+    bounds.append((RANKS_PER_CORE * cores, f"the cores ({cores}; at most {RANKS_PER_CORE} ranks per core)"))
+    return min(bounds)
+
+
+def check_local_workers(world_size: int, per_rank_memory: int = RANK_MEMORY, what: str = "--workers",
+                        processes: bool = True, hint: str = "for more ranks use several machines (torchrun)") -> None:
+    """ValueError (one line, naming the limit that binds) when ``world_size`` ranks cannot run here."""
+    bound, why = local_worker_limit(per_rank_memory, processes)
+    if world_size > bound:
+        fits = "not even one rank fits" if bound < 1 else f"at most {bound} local ranks fit"
+        raise ValueError(f"{what} {world_size}: {fits} here, by {why}; {hint}")
+
+
+def format_bytes(n: float) -> str:
+    """``1.5 GiB``-style size (B, KiB, ... EiB, then powers of ten of EiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.3g} EiB"
+
+
 # ---------------------------------------------------------------------- threads
-def _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta):
+def _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta, time_limit=None):
     world = ThreadWorld(world_size, alpha=alpha, beta=beta, timeout=timeout)
     comms = world.comms()
     results: list[Any] = [None] * world_size
@@ -120,8 +225,13 @@ def _run_threads(fn, world_size, args, kwargs, timeout, alpha, beta):
                    for r in range(world_size)]
         for t in threads:
             t.start()
+        end = None if time_limit is None else time.monotonic() + time_limit
         for t in threads:
-            t.join()
+            t.join(None if end is None else max(0.0, end - time.monotonic()))
+        if any(t.is_alive() for t in threads):  # past the time limit: stop every rank at its next collective
+            world.abort(f"the run exceeded its time limit of {time_limit:g} s")
+            raise RankFailed(f"the run exceeded its time limit of {time_limit:g} s (--time-limit); every rank was "
+                             "stopped")
     if errors:
         # the root cause: the first error that is not a consequence of another rank's abort
         roots = [x for x in errors if not _caused_by_abort(x[1])]
@@ -142,15 +252,25 @@ def _caused_by_abort(exc: BaseException) -> bool:
 
 # ---------------------------------------------------------------------- orphans
 _ORPHAN_CALLBACKS: list[Callable[[], object]] = []
+_REAPER_FDS: set[int] = set()  # write ends of this process's reapers' pipes (closed in every forked child)
+_HEARTBEAT = None  # (shared array of last-progress times, rank) in a rank process of run_local
 _libc = None
+
+
+def progress() -> None:
+    """Tell the launcher this rank made progress (the training loop calls it once per step): the
+    stall timeout of :func:`run_local` counts from the latest beat of any rank. A no-op outside a
+    process rank of ``run_local``."""
+    hb = _HEARTBEAT
+    if hb is not None:
+        hb[0][hb[1]] = time.monotonic()
 
 
 def on_orphan(fn: Callable[[], object]) -> Callable[[], None]:
     """Register ``fn()`` for the reaper: it runs when a launcher dies without cleaning up (SIGKILL).
 
     The reaper of a ``run_local`` call is forked when the call starts, with a copy of the callbacks
-    registered by then (an EmulatedCluster registers the deletion of its namespaces). Returns a
-    function that unregisters ``fn``.
+    registered by then. Returns a function that unregisters ``fn``.
     """
     _ORPHAN_CALLBACKS.append(fn)
 
@@ -177,6 +297,25 @@ def _prctl(option: int, arg) -> bool:
         return False
 
 
+def _close_reaper_fds() -> None:
+    """In a forked child: only the launcher may hold its reapers' pipes open."""
+    for fd in list(_REAPER_FDS):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _REAPER_FDS.clear()
+
+
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """SIGKILL this process when its parent dies: ``prctl(PR_SET_PDEATHSIG)`` (fires when the
+    parent's thread that started us ends) and a thread that watches the parent pid (belt and
+    braces, and non-Linux). Exits at once if the parent is already gone."""
+    parent_pid = os.getppid() if parent_pid is None else parent_pid
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+    _watch_parent(parent_pid)
+
+
 def _die_with_parent(parent_pid: int, rank: int, reaper_fd: int | None) -> None:
     """In a fresh rank process: get SIGKILL when the launcher dies, default signal dispositions.
 
@@ -187,8 +326,7 @@ def _die_with_parent(parent_pid: int, rank: int, reaper_fd: int | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if reaper_fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(reaper_fd)  # only the launcher may hold the reaper's pipe open
+        _close_reaper_fds()
     _prctl(_PR_SET_NAME, rank_process_name(parent_pid, rank).encode())
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the launcher died before prctl took effect
@@ -205,9 +343,10 @@ def _watch_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="sparsync-parent-watch", daemon=True).start()
 
 
-def _start_reaper(store_dir: str) -> tuple[int, int] | None:
-    """Fork a reaper that, if the launcher dies without writing ``done`` to its pipe, removes the
-    store directory and runs the :func:`on_orphan` callbacks. Returns (pid, pipe write end)."""
+def start_reaper(cleanup: Callable[[], object], name: bytes = b"sparsync-reaper") -> tuple[int, int] | None:
+    """Fork a reaper that runs ``cleanup()`` if this process dies without :func:`stop_reaper` (even
+    by SIGKILL: the reaper holds the read end of a pipe only this process writes, and sees it close).
+    Returns (pid, pipe write end), or None where there is no fork."""
     if not hasattr(os, "fork"):
         return None
     r, w = os.pipe()
@@ -216,35 +355,53 @@ def _start_reaper(store_dir: str) -> tuple[int, int] | None:
         pid = os.fork()
     if pid:
         os.close(r)
+        _REAPER_FDS.add(w)
         return pid, w
     try:  # the reaper
         os.close(w)
+        _close_reaper_fds()  # other reapers must see their launcher's death, not wait for ours
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN)  # it must outlive the launcher to clean up after it
-        _prctl(_PR_SET_NAME, b"sparsync-reaper")
+        _prctl(_PR_SET_NAME, name)
         said = b""
         while chunk := os.read(r, 64):
             said += chunk
         if b"done" not in said:
             time.sleep(0.1)  # the ranks get SIGKILL from the kernel; let them go first
-            for fn in list(_ORPHAN_CALLBACKS):
-                with contextlib.suppress(BaseException):
-                    fn()
-            shutil.rmtree(store_dir, ignore_errors=True)
+            with contextlib.suppress(BaseException):
+                cleanup()
     finally:
         os._exit(0)
 
 
-def _stop_reaper(reaper) -> None:
+def stop_reaper(reaper) -> None:
+    """Tell a reaper of :func:`start_reaper` that all went well (it exits without cleaning up)."""
     if reaper is None:
         return
     pid, w = reaper
+    _REAPER_FDS.discard(w)
     with contextlib.suppress(OSError):
         os.write(w, b"done")
     with contextlib.suppress(OSError):
         os.close(w)
     with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
+
+
+def _start_reaper(store_dir: str) -> tuple[int, int] | None:
+    """The reaper of one ``run_local`` call: the :func:`on_orphan` callbacks, then the store."""
+    callbacks = list(_ORPHAN_CALLBACKS)
+
+    def cleanup():
+        for fn in callbacks:
+            with contextlib.suppress(BaseException):
+                fn()
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+    return start_reaper(cleanup)
+
+
+_stop_reaper = stop_reaper
 
 
 class _Terminated(BaseException):
@@ -286,14 +443,16 @@ def _signals_stop_ranks():
 
 
 # ---------------------------------------------------------------------- processes
-def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placement, parent_pid, reaper_fd):
+def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placement, parent_pid, reaper_fd, beats):
     import torch.distributed as dist
 
     from .torchcomm import TorchComm
 
+    global _HEARTBEAT
     status = "ok"
     try:
         _die_with_parent(parent_pid, rank, reaper_fd)
+        _HEARTBEAT = (beats, rank)
         torch.set_num_threads(1)
         env = placement(rank) if placement else {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         os.environ.update(env or {})
@@ -337,28 +496,29 @@ def _pick_start_method(requested):
     return "spawn" if torch.cuda.is_initialized() else "fork"
 
 
-def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method):
+def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None):
     ctx = mp.get_context(_pick_start_method(start_method))
     tmp = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []
     reaper = None
+    beats = ctx.RawArray("d", world_size)  # each rank's latest progress() (time.monotonic, system-wide)
     with _signals_stop_ranks():
         try:
             reaper = _start_reaper(tmp)
-            # a forked rank inherits the reaper's pipe and must close it; a spawned one does not
-            inherited = reaper[1] if reaper and ctx.get_start_method() == "fork" else None
+            # a forked rank inherits the reapers' pipes and must close them; a spawned one does not
+            inherited = 1 if ctx.get_start_method() == "fork" else None
             for r in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child, name=rank_process_name(os.getpid(), r),
                                 args=(r, world_size, store_path, child_end, fn, args, kwargs, timeout, placement,
-                                      os.getpid(), inherited))
+                                      os.getpid(), inherited, beats))
                 p.daemon = True
                 p.start()
                 child_end.close()
                 procs.append(p)
                 conns.append(parent_end)
-            return _collect(procs, conns, world_size, timeout + 30.0)
+            return _collect(procs, conns, world_size, timeout, beats, time_limit)
         finally:
             _kill_all(procs)
             for p in procs:
@@ -434,17 +594,47 @@ def _reported_cause(pending, wait_s: float = 0.5):
     return None
 
 
-def _collect(procs, conns, world_size, deadline_s):
+def _stall_grace(timeout: float) -> float:
+    """How long past the stall timeout the launcher waits before stopping the ranks itself, so that
+    a collective that waited ``timeout`` in a rank reports first (naming the rank that did not
+    answer): half the timeout, 30 s at most."""
+    return min(30.0, 0.5 * timeout)
+
+
+def _blame_stuck(procs, world_size, r, exc, pending, timeout) -> None:
+    """Rank ``r`` timed out in a collective (gloo's "Timed out"): the ranks that do not report the
+    same within a moment are the ones that stopped making progress; name them."""
+    if not (isinstance(exc, RuntimeError) and ("Timed out" in str(exc) or "timed out" in str(exc))):
+        return
+    end = time.monotonic() + 2.0  # the ranks that were waiting too report the same timeout meanwhile
+    while (quiet := [c for c in pending if not c.poll()]) and time.monotonic() < end:
+        mpc.wait(quiet, timeout=max(0.0, end - time.monotonic()))
+    stuck = sorted(r2 for c, r2 in pending.items() if not c.poll() and procs[r2].exitcode is None)
+    if stuck:
+        pids = ", ".join(f"rank {s}: pid {procs[s].pid}" for s in stuck)
+        raise RankFailed(f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} of {world_size} made no "
+                         f"progress for {timeout:g} s (the stall timeout, --timeout; {pids}); rank {r} timed out "
+                         f"waiting for {'them' if len(stuck) > 1 else 'it'} in a collective")
+
+
+def _collect(procs, conns, world_size, timeout, beats=None, time_limit=None):
     results: list[Any] = [None] * world_size
     pending = {c: r for r, c in enumerate(conns)}
-    deadline = time.monotonic() + deadline_s
+    start = time.monotonic()
     while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = sorted(pending.values())
-            _blame_stopped(procs, world_size, None, f"ranks {missing} did not finish within {deadline_s:.0f}s")
-            raise RankFailed(f"ranks {missing} of {world_size} did not finish within {deadline_s:.0f}s")
-        ready = mpc.wait(list(pending), timeout=min(left, 1.0))
+        now = time.monotonic()
+        missing = sorted(pending.values())
+        if time_limit is not None and now - start > time_limit:
+            raise RankFailed(f"the run exceeded its time limit of {time_limit:g} s (--time-limit); ranks {missing} "
+                             f"of {world_size} were still running and were stopped")
+        last = max(start, max(beats)) if beats is not None else start
+        stall = timeout + _stall_grace(timeout)
+        if now - last > stall:
+            _blame_stopped(procs, world_size, None, f"no progress for {now - last:.0f} s")
+            raise RankFailed(f"no progress for {now - last:.0f} s (the stall timeout, --timeout {timeout:g}): ranks "
+                             f"{missing} of {world_size} were still running and were stopped")
+        left = min(last + stall, start + time_limit if time_limit is not None else float("inf")) - now
+        ready = mpc.wait(list(pending), timeout=max(0.01, min(left, 1.0)))
         for c in ready:
             r = pending.pop(c)
             try:
@@ -458,6 +648,7 @@ def _collect(procs, conns, world_size, deadline_s):
                 exc, tb = value
                 then = f"rank {r} then failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                 _blame_stopped(procs, world_size, r, then)
+                _blame_stuck(procs, world_size, r, exc, pending, timeout)
                 if _is_connection_error(exc):  # a peer that died makes the others lose their connections
                     cause = _reported_cause(pending)
                     if cause is not None:
@@ -481,15 +672,22 @@ def _kill_all(procs):
 
 
 # ---------------------------------------------------------------------- torchrun
-def comm_from_env(backend: str | None = None, timeout: float = 300.0):
+def comm_from_env(backend: str | None = None, timeout: float = 300.0, die_with_agent: bool | None = None):
     """A TorchComm for a process started by ``torchrun`` (env:// rendezvous: RANK, WORLD_SIZE, ...).
 
-    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise.
+    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. ``die_with_agent`` (default:
+    when torchrun's agent started us, ``TORCHELASTIC_RUN_ID`` set): this worker gets SIGKILL when its
+    parent - the agent - dies (:func:`die_with_parent`), as ``run_local``'s ranks do, so a killed
+    agent leaves no worker training on.
     """
     import torch.distributed as dist
 
     from .torchcomm import TorchComm
 
+    if die_with_agent is None:
+        die_with_agent = "TORCHELASTIC_RUN_ID" in os.environ
+    if die_with_agent and not _WATCHING_PARENT:
+        _watch_agent()
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
@@ -505,6 +703,14 @@ def comm_from_env(backend: str | None = None, timeout: float = 300.0):
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout))
     return TorchComm()
+
+
+_WATCHING_PARENT: list[int] = []
+
+
+def _watch_agent() -> None:
+    die_with_parent()
+    _WATCHING_PARENT.append(os.getppid())
 
 
 def peer_table(comm) -> list[tuple[str, int]]:

@@ -18,6 +18,7 @@ before the first one starts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -117,7 +118,8 @@ def plan(args) -> tuple[Path, list]:
         have = {c["reducer"] for c in configs}
         configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}, "convergence": {}}
                    for b in BASELINES if b not in have] + configs
-    name = args.name or f"compare-{args.workload}-P{args.workers}"
+    name = args.name if args.name is not None else f"compare-{args.workload}-P{args.workers}"
+    _check_name(name, "--name")
     root = Path(args.runs_dir) / name
     cfgs, seen = [], set()
     for i, c in enumerate(configs):
@@ -125,6 +127,7 @@ def plan(args) -> tuple[Path, list]:
         while slug in seen:
             slug += "+"
         seen.add(slug)
+        _check_name(slug, f"configuration {c['reducer']!r}: its directory name")
         conv = dict(c.get("convergence") or {})
         if not (c["reducer"] in BASELINES or c["reducer"].startswith("ddp-") or c["reducer"] == "nocomm"):
             conv = {**convergence_of(args), **conv}  # the flags apply to the sparse configurations
@@ -141,26 +144,31 @@ def plan(args) -> tuple[Path, list]:
     return root, cfgs
 
 
+def _check_name(name: str, what: str) -> None:
+    """A comparison's or a configuration's directory name is one path component (UsageError otherwise)."""
+    from ..train.runs import check_run_name
+
+    try:
+        check_run_name(name, what)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def compare(args, notes: list[str] | None = None, title: str | None = None):
     """Run every configuration; returns (report path, table rows)."""
     import json
-    import shutil
 
     from ..train.loop import launch
     from ..train.records import write_comparison
     from ..train.report import format_table, table_rows, write_report
-    from ..train.runs import RunExists
+    from ..train.runs import prepare_dir
 
     root, cfgs = plan(args)
-    if root.exists() and any(root.iterdir()):
-        if not args.force:
-            raise RunExists(f"comparison directory {root} already exists; pass --force to overwrite it "
-                            "or --name to pick another name")
-        shutil.rmtree(root)
     tb = tensorboard_tail(getattr(args, "tensorboard", None), cfgs)
-    root.mkdir(parents=True, exist_ok=True)
+    # --force empties only a comparison directory sparsync made, and not while another process uses it
+    lock = prepare_dir(root, "compare", args.force, what="comparison directory")
     done = []
-    with tb:
+    with tb, contextlib.closing(lock):
         for i, cfg in enumerate(cfgs):
             print(f"[{i + 1}/{len(cfgs)}] {cfg.label()} on {cfg.workers} workers ({cfg.network})", flush=True)
             try:

@@ -48,18 +48,49 @@ def _parse_value(v: str):
 
 
 def _float_in(lo, hi, what, lo_open=True):
+    """argparse type: a finite number in ``(lo, hi]`` (``[lo, hi]`` with ``lo_open=False``)."""
     def conv(s):
         import argparse
+        import math
 
         try:
             v = float(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{what}: expected a number, got {s!r}") from None
-        if not ((lo < v if lo_open else lo <= v) and v <= hi):
-            raise argparse.ArgumentTypeError(f"{what} must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {s!r}")
+        if not ((lo < v if lo_open else lo <= v) and v <= hi and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number in {'(' if lo_open else '['}{lo:g}, "
+                                             f"{hi:g}], got {s!r}")
         return v
 
     return conv
+
+
+#: largest seed: every generator seed derived from it (seed * mix + epoch ...) stays inside torch's 64 bits
+SEED_MAX = 2**31 - 1
+#: largest --timeout / --time-limit in seconds (a year; what torch's collective timeouts can hold)
+SECONDS_MAX = 365 * 86400.0
+
+
+def _int_in(lo, hi, what):
+    """argparse type: an integer in ``[lo, hi]`` (``1e3``-style integral numbers accepted)."""
+    def conv(s):
+        import argparse
+
+        from ..units import parse_count
+
+        try:
+            v = parse_count(s) if not str(s).strip().startswith("-") else -parse_count(str(s).strip()[1:])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {s!r}") from None
+        if not lo <= v <= hi:
+            rng = f">= {lo}" if hi >= 2**62 else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{what} must be an integer {rng}, got {s!r}")
+        return v
+
+    return conv
+
+
+SEED = _int_in(0, SEED_MAX, "--seed")
 
 
 def add_common(p, compare: bool = False) -> None:
@@ -88,7 +119,8 @@ def add_common(p, compare: bool = False) -> None:
     p.add_argument("--target-accuracy", type=_float_in(0, 1, "--target-accuracy"), default=None,
                    help="for time-to-target (default: the workload's)")
     p.add_argument("--eval-every", type=WORKERS, default=None, help="evaluate every N steps (default: the workload's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data order and the initial parameters")
+    p.add_argument("--seed", type=SEED, default=0, help=f"seed of the data order and the initial parameters "
+                   f"(0 .. {SEED_MAX})")
     p.add_argument("--workload-option", action="append", metavar="KEY=VALUE",
                    help="workload option, e.g. sparse_embedding=1 or vocab=5000 (repeatable; docs/train.md)")
     p.add_argument("--ddp-option", action="append", metavar="KEY=VALUE",
@@ -108,10 +140,14 @@ def add_common(p, compare: bool = False) -> None:
     conv.add_argument("--local-clip", type=float, default=None, metavar="C",
                       help="clip each rank's gradient to norm C/sqrt(P) before accumulation")
     p.add_argument("--runs-dir", default="runs", help="parent directory of run directories")
-    p.add_argument("--force", action="store_true", help="overwrite an existing run directory")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite an existing run directory (only one sparsync made, and not while a run uses it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--timeout", type=_float_in(0, float("inf"), "--timeout"), default=900.0,
-                   help="seconds before a stuck run is killed")
+    p.add_argument("--timeout", type=_float_in(0, SECONDS_MAX, "--timeout"), default=900.0,
+                   help="stall timeout: stop the run when no training step completes (and no collective "
+                        "answers) for this many seconds; a run that keeps progressing is never stopped by it")
+    p.add_argument("--time-limit", type=_float_in(0, SECONDS_MAX, "--time-limit"), default=None, metavar="SECONDS",
+                   help="stop the whole run after this many seconds, progressing or not (default: no limit)")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also log loss, accuracy and step time to a TensorBoard directory (needs the "
                         "tensorboard package: pip install 'sparsync[tensorboard]')")
@@ -158,8 +194,9 @@ def register(sub) -> None:
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="reducer option (repeatable; an unknown key lists the reducer's options)")
     p.add_argument("--name", default=None, help="run name (directory <runs-dir>/<name>; default from the config)")
-    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
-    p.add_argument("--keep-checkpoints", type=int, default=2, metavar="N",
+    p.add_argument("--checkpoint-every", type=_int_in(0, 2**62, "--checkpoint-every"), default=0,
+                   help="also checkpoint every N steps (0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=_int_in(0, 2**62, "--keep-checkpoints"), default=2, metavar="N",
                    help="keep the newest N complete checkpoints, delete older ones (0 = keep all)")
     p.add_argument("--resume", action="store_true", help="continue runs/<name> from its latest checkpoint")
     p.set_defaults(func=run)
@@ -181,7 +218,7 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
         checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),
         keep_checkpoints=getattr(args, "keep_checkpoints", 2),
-        progress=not args.no_progress, timeout=args.timeout)
+        progress=not args.no_progress, timeout=args.timeout, time_limit=getattr(args, "time_limit", None))
 
 
 def _build_reducer_once(cfg) -> None:
@@ -197,27 +234,129 @@ def _build_reducer_once(cfg) -> None:
         make_reducer(cfg.reducer, ThreadWorld(cfg.workers).comms()[0], density=cfg.density, **cfg.reducer_options)
 
 
+def check_workload_options(workload: str, options: dict) -> dict:
+    """The workload options with their values checked against the factory's defaults: an integer
+    option takes an integer (``1e3`` too), at least 1 (at least 0 where its default is 0: a seed); a
+    boolean one true/false/1/0; a float one a finite number. UsageError (one line) otherwise."""
+    import inspect
+    import math
+
+    from ..train.workloads import WORKLOADS
+    from . import UsageError
+
+    params = inspect.signature(WORKLOADS[workload]).parameters
+    bad = sorted(set(options) - set(params))
+    if bad:
+        raise UsageError(f"workload {workload!r} has no option {', '.join(bad)}; "
+                         f"valid: {', '.join(params) or '(none)'}")
+    out = {}
+    for k, v in options.items():
+        d = params[k].default
+        if isinstance(d, bool):
+            if v not in (True, False, 0, 1):
+                raise UsageError(f"--workload-option {k}={v!r}: expected true or false")
+        elif isinstance(d, int):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+                raise UsageError(f"--workload-option {k}={v!r}: expected an integer")
+            lo = 0 if d == 0 else 1
+            if v < lo:
+                raise UsageError(f"--workload-option {k} must be at least {lo}, got {v!r}")
+            v = int(v)
+        elif isinstance(d, float) and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise UsageError(f"--workload-option {k}={v!r}: expected a finite number")
+        out[k] = v
+    return out
+
+
+def rank_memory_estimate(wl, batch_size: int, seed: int = 0) -> tuple[int, int]:
+    """``(bytes, parameters)``: what one rank of this workload holds beyond the interpreter, from
+    the model built on the ``meta`` device (shapes only, nothing allocated): 7 float32 words per
+    parameter (parameter, gradient, two optimizer moments, the reducer's accumulator and residual,
+    the engine's flat gradient), the activations a forward pass of ``batch_size`` samples keeps for
+    backward (counted with forward hooks on the meta model) three times (outputs, their gradients,
+    temporaries), and the batch itself twice. An estimate to refuse what cannot fit, not a budget."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = wl.build()
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta: no estimate (the ranks will say)
+        return 0, 0
+    params = sum(p.numel() for p in model.parameters())
+    x, _ = wl.batch(0, 0, 1, 1, seed)
+    acts = [0]
+
+    def count(_m, _i, out):
+        if isinstance(out, torch.Tensor):
+            acts[0] += out.numel() * out.element_size()
+
+    hooks = [m.register_forward_hook(count) for m in model.modules() if not list(m.children())]
+    try:
+        model(torch.empty((batch_size, *x.shape[1:]), dtype=x.dtype, device="meta"))
+    except Exception:  # noqa: BLE001 - an op without a meta kernel: no activation estimate
+        acts[0] = 0
+    finally:
+        for h in hooks:
+            h.remove()
+    batch = batch_size * (x[0].numel() * x.element_size() + 8)
+    return 28 * params + 3 * acts[0] + 2 * batch, params
+
+
+def check_resources(cfg, wl) -> None:
+    """Refuse (ValueError, one line) a run this machine cannot hold: the ranks it runs here (all of
+    them on a local network, this process under torchrun) against memory, and local process ranks
+    against file descriptors, processes and cores (:func:`sparsync.launch.check_local_workers`)."""
+    from ..launch import RANK_MEMORY, check_local_workers, format_bytes
+
+    per, params = rank_memory_estimate(wl, cfg.batch_size, cfg.seed)
+    hint = (f"a rank holds ~{format_bytes(per)} for the model ({params:,} parameters) and a batch of "
+            f"{cfg.batch_size}: lower --batch-size, the model's size (--workload-option) or --workers")
+    if cfg.network == "torchrun":
+        check_local_workers(1, RANK_MEMORY + per, what="this torchrun worker", processes=False, hint=hint)
+    else:
+        check_local_workers(cfg.workers, RANK_MEMORY + per, processes=cfg.network != "thread", hint=hint)
+
+
+def _check_ddp_option_values(cfg) -> None:
+    """Build a SparseDDP of a tiny module on a one-rank thread world with the run's SparseDDP keywords
+    (dense reducer: its own options are checked apart), so their values fail here, not in the ranks."""
+    from torch import nn
+
+    from ..ddp import SparseDDP
+    from ..threadcomm import ThreadWorld
+
+    ddp = SparseDDP(nn.Linear(2, 2), ThreadWorld(1).comms()[0], reducer="dense", **cfg.ddp_options)
+    close = getattr(ddp, "close", None)
+    if callable(close):
+        close()
+
+
 def preflight(cfg, network: bool = True):
     """Every check that can fail before a rank starts or a directory is created: workload and its
-    options, reducer and its options (names against the reducer's signature, values by building it
-    once), merge plan, SparseDDP
-    keywords, numbers, and (``network=True``) whether the emulated network can run here. Raises
+    options (names and values), reducer and its options (names against the reducer's signature,
+    values by building it once), merge plan, SparseDDP keywords and their values, numbers, the run
+    name, the emulated network's rate, memory and local ranks (:func:`check_resources`), and
+    (``network=True``) whether the emulated network can run here. Raises
     :class:`~sparsync.commands.UsageError` (one line); returns the built workload (defaults filled in)."""
     import inspect
 
     from ..schedule.merge import parse_strategy
     from ..train.loop import NetworkUnavailable, check_network, validate
+    from ..train.runs import check_run_name
     from ..train.workloads import WORKLOADS
     from . import UsageError
 
     try:
         if cfg.workload in WORKLOADS:
-            valid = [n for n in inspect.signature(WORKLOADS[cfg.workload]).parameters]
-            bad = sorted(set(cfg.workload_options) - set(valid))
-            if bad:
-                raise UsageError(f"workload {cfg.workload!r} has no option {', '.join(bad)}; "
-                                 f"valid: {', '.join(valid) or '(none)'}")
+            cfg.workload_options = check_workload_options(cfg.workload, cfg.workload_options)
+        if cfg.name is not None:
+            check_run_name(cfg.name)
+        if cfg.network not in ("loopback", "thread", "torchrun"):
+            from ..cluster import link_bandwidth
+
+            link_bandwidth(cfg.network)
         wl = validate(cfg)
+        check_run_name(cfg.name)  # the default name too
         if cfg.is_torch_ddp or cfg.reducer == "nocomm":
             for opt, given in (("--option", cfg.reducer_options), ("--ddp-option", cfg.ddp_options)):
                 if given:
@@ -236,6 +375,14 @@ def preflight(cfg, network: bool = True):
             bad = sorted(set(cfg.ddp_options) - set(valid))
             if bad:
                 raise UsageError(f"--ddp-option {', '.join(bad)}: not a SparseDDP keyword; valid: {', '.join(valid)}")
+            if cfg.ddp_options:
+                try:
+                    _check_ddp_option_values(cfg)
+                except (ValueError, TypeError) as e:
+                    raise UsageError(f"--ddp-option: {str(e).splitlines()[0]}") from None
+        if cfg.checkpoint_every < 0:
+            raise UsageError(f"--checkpoint-every must be >= 0 (0: only at the end), got {cfg.checkpoint_every}")
+        check_resources(cfg, wl)
         if network:
             check_network(cfg.network)
     except UsageError:
@@ -299,24 +446,26 @@ def _run_torchrun(cfg, args) -> int:
 
     from ..launch import comm_from_env, lost_peer_error, peer_table
     from ..train.loop import train_worker
-    from ..train.runs import CheckpointError, RunDir, RunExists
+    from ..train.runs import CheckpointError, RunDir, RunExists, run_job
 
+    cfg.network = "torchrun"
     preflight(cfg, network=False)
     comm = comm_from_env("gloo")  # CPU training loop; the library's SparseDDP also runs on NCCL
     if comm.world_size != cfg.workers:
         cfg.workers = comm.world_size  # torchrun decides the world size
-    cfg.network = "torchrun"
     path = os.path.join(cfg.runs_dir, cfg.name)
     info = [None]
+    rd = None
     if comm.rank == 0:
-        resume, force = args.resume, args.force
-        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-            # elastic restart (torchrun --max-restarts): continue this job's run from its latest
-            # complete checkpoint, or start it over if it died before the first one (docs/reliability.md)
+        resume, force, job = args.resume, args.force, torchrun_job()
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0 and run_job(path) == job:
+            # elastic restart (torchrun --max-restarts) of a run THIS job created: continue it from its
+            # latest complete checkpoint, or start it over if it died before the first one
+            # (docs/reliability.md). Any other directory gets what the first attempt got: a refusal stays one.
             resume = RunDir(path).latest_step() is not None
             force = not resume
         try:
-            _, resume_info = RunDir.prepare(cfg, force=force, resume=resume)
+            rd, resume_info = RunDir.prepare(cfg, force=force, resume=resume, job=job)  # locked until the end
             info = [json.dumps({"resume": resume_info})]
         except (OSError, CheckpointError, RunExists) as e:  # tell the other ranks, do not leave them waiting
             info = [json.dumps({"error": f"rank 0: {type(e).__name__}: {e}", "kind": type(e).__name__})]
@@ -324,7 +473,7 @@ def _run_torchrun(cfg, args) -> int:
     got = json.loads(info[0])
     if "error" in got:
         dist.destroy_process_group()
-        raise (RunExists if got["kind"] == "RunExists" else CheckpointError)(got["error"])
+        raise (RunExists if got["kind"] in ("RunExists", "RunBusy") else CheckpointError)(got["error"])
     resume_info = got["resume"]
     peers = peer_table(comm)
     try:
@@ -332,8 +481,21 @@ def _run_torchrun(cfg, args) -> int:
     except RuntimeError as e:  # a survivor of a lost rank: name it instead of gloo's peer address
         raise lost_peer_error(e, peers, comm.rank) from e
     if comm.rank == 0:
-        RunDir(path).write_summary(summary)
+        rd.write_summary(summary)
         _print_summary(summary, cfg)
     dist.barrier()
     dist.destroy_process_group()
+    if rd is not None:
+        rd.release()
     return 0
+
+
+def torchrun_job() -> str:
+    """This torchrun job's identity, the same in every restart of it: the rendezvous id when one was
+    given, else the agent (this worker's parent) on this host."""
+    import socket
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return f"torchrun:{run_id}"
+    return f"torchrun:{socket.gethostname()}:{os.getppid()}"

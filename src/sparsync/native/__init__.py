@@ -220,10 +220,10 @@ def zero_(x: torch.Tensor) -> torch.Tensor:
 
 
 def sum_check(out: torch.Tensor, r: torch.Tensor | None, g: torch.Tensor) -> bool:
-    """In one pass: ``out = r + g`` (``r=None``: ``out = g``), and whether every ``g`` is finite.
+    """In one pass: ``out = r + g`` (``r=None``: ``out = g``), and whether every ``out`` is finite.
 
     The same bits as ``torch.add(g, r, out=out)`` / ``out.copy_(g)``; ``out`` is written even when
-    ``g`` is not finite (so it must be a scratch buffer then: never ``r`` or ``g``). Streaming stores
+    it is not finite (so it must be a scratch buffer then: never ``r`` or ``g``). Streaming stores
     (see :func:`zero_`): 25.6M fp32 on one thread, ``torch.add(..., out=)`` 15.3 ms plus a finite
     check (``g.sum()``) 6.4 ms, this 13.6 ms in all. 1-D :func:`usable` tensors of one length."""
     n = g.numel()

@@ -20,9 +20,11 @@
  * larger than the caches. A normal store first reads the line it writes (read-for-ownership), so
  * torch's zero_ moves 2 bytes per byte written, a streaming store 1: measured at 25.6M fp32 on one
  * thread, zero_ 8.2 ms, glibc memset 4.0, zero_nt 2.8. sum_check writes out = r + g (or a copy of
- * g) and tells whether every g is finite in the same pass: the reducers' non-finite check of
+ * g) and tells whether every out is finite in the same pass: the reducers' non-finite check of
  * their input (sparsync/reducers/base.py) without a read pass of its own, before anything is sent
- * and without touching r (out is another buffer, so nothing is lost when g holds a NaN).
+ * and without touching r (out is another buffer, so nothing is lost when g holds a NaN). The sum
+ * is checked, not g: a non-finite g makes it non-finite, and so does a finite g that overflows
+ * the residual r.
  *
  * take_clear: out[p] = x[idx[p]], then x[idx[p]] = 0 - the gather of the values to send and the
  * error feedback's zeroing of the sent entries in one visit of each cache line instead of two.
@@ -231,12 +233,13 @@ static int finite_bits(float x) {
     return (u & 0x7f800000u) != 0x7f800000u;  /* exponent all ones: Inf or NaN */
 }
 
-/* out[i] = r[i] + g[i] (r == NULL: g[i]) for i in [i, n); 0 when some g[i] is not finite */
+/* out[i] = r[i] + g[i] (r == NULL: g[i]) for i in [i, n); 0 when some out[i] is not finite */
 static int sum_check_plain(float *out, const float *r, const float *g, int64_t i, int64_t n) {
     int ok = 1;
     for (; i < n; i++) {
-        ok &= finite_bits(g[i]);
-        out[i] = r ? r[i] + g[i] : g[i];
+        float s = r ? r[i] + g[i] : g[i];
+        ok &= finite_bits(s);
+        out[i] = s;
     }
     return ok;
 }
@@ -266,8 +269,9 @@ static int64_t sum_check_avx2(float *out, const float *r, const float *g, int64_
     __m256i bad = _mm256_setzero_si256();
     for (; i + 8 <= n; i += 8) {
         __m256 gv = _mm256_loadu_ps(g + i);
-        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(gv), em), em));
-        _mm256_stream_ps(out + i, r ? _mm256_add_ps(_mm256_loadu_ps(r + i), gv) : gv);
+        __m256 sv = r ? _mm256_add_ps(_mm256_loadu_ps(r + i), gv) : gv;
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_castps_si256(sv), em), em));
+        _mm256_stream_ps(out + i, sv);
     }
     _mm_sfence();
     if (!_mm256_testz_si256(bad, bad)) *ok = 0;
@@ -285,7 +289,7 @@ void sparsync_zero_nt(void *p, int64_t nbytes) {
     memset(p, 0, (size_t)nbytes);
 }
 
-/* out = r + g (r == NULL: out = g); returns 1 when every g[i] is finite, else 0 (out is written
+/* out = r + g (r == NULL: out = g); returns 1 when every out[i] is finite, else 0 (out is written
  * either way). out must not overlap r or g. */
 int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n) {
     int64_t i = 0;

@@ -142,7 +142,6 @@ import math
 
 import torch
 
-from .. import native
 from ..comm import gather_padded
 from ..select.threshold import (
     ThresholdController,
@@ -203,9 +202,8 @@ class BufferedAccumulator:
             return self.sum_checked(torch.empty_like(grad, memory_format=torch.contiguous_format), grad, None)
         if (not self.reuse_buffers or res.shape != grad.shape or res.dtype != torch.result_type(grad, res)
                 or res.device != grad.device or res.data_ptr() == grad.data_ptr()):
-            self.check_finite(grad)
-            return grad + res
-        if self.nonfinite != "ignore" and native.usable(res) and native.usable(grad) and res.dim() == 1:
+            return super().accumulate(grad)  # a new tensor, the sum checked (residual overflow too)
+        if self.nonfinite != "ignore":  # the C kernel, or torch's add and a check of the sum
             spare = self._spare
             if (spare is None or spare.shape != res.shape or spare.dtype != res.dtype or spare.device != res.device
                     or spare.untyped_storage().data_ptr() in (res.untyped_storage().data_ptr(),

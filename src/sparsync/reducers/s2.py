@@ -125,6 +125,12 @@ class S2Reducer(BlockReducer):
         sk = self.sketch_for(expected, call, numel)
         with self.timed("encode"):
             table = sk.encode(idx, vals)
+            # the cells sum several values each: finite input can overflow them (the sum test, then the exact one)
+            if self.nonfinite != "ignore" and not (torch.isfinite(table.sum()) or torch.isfinite(table).all()):
+                raise FloatingPointError(
+                    f"rank {self.comm.rank}: s2.reduce: the count sketch overflowed at step {self.step}: a cell sums "
+                    f"values up to {float(vals.abs().max()):.3g} past the float range; nothing was sent. Lower the "
+                    "learning rate or clip the gradient")
             buf = torch.cat([table.view(-1), block_bitmap(ids, nblocks, dtype=vals.dtype, device=table.device)])
         with self.timed("comm"):
             summed = self.comm.allreduce(buf, "sum")

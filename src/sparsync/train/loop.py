@@ -27,7 +27,6 @@ bitwise (tested in ``tests/test_train_resume.py``).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import threading
@@ -37,6 +36,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..launch import progress
 from .runs import RunDir, TrainConfig, load_checkpoint, save_checkpoint
 from .workloads import make_workload, workload_names
 
@@ -131,30 +131,33 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
 
     native.enabled()  # build (first use: ~0.2 s alone, seconds with 4 ranks at once) or load the C kernels
     #                   here, once, not inside the first timed step of every rank
-    rd, info = RunDir.prepare(cfg, force=force, resume=resume)
+    rd, info = RunDir.prepare(cfg, force=force, resume=resume)  # locked until the run ends
     args = (cfg.to_dict(), str(rd.path), info)
     P = cfg.workers
+    limits = {"timeout": cfg.timeout, "time_limit": cfg.time_limit}
     try:
         if cfg.network == "thread":
             from ..launch import run_local
 
-            results = run_local(train_worker, P, *args, backend="thread", timeout=cfg.timeout)
+            results = run_local(train_worker, P, *args, backend="thread", **limits)
         elif cfg.network == "loopback":
             from ..launch import run_local
 
-            results = run_local(train_worker, P, *args, backend="gloo", timeout=cfg.timeout)
+            results = run_local(train_worker, P, *args, backend="gloo", **limits)
         else:
             from ..cluster import run_emulated
 
-            results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, timeout=cfg.timeout)
+            results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, **limits)
+        summary = results[0]
+        keys = ("median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
+                "mean_select_s")
+        summary["per_rank"] = [{k: r.get(k) for k in keys} for r in results]  # rank 0's view is not everyone's
+        rd.write_summary(summary)
     except BaseException:
         rd.remove_incomplete()  # every rank is gone: only complete checkpoints stay on disk
         raise
-    summary = results[0]
-    keys = ("median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
-            "mean_select_s")
-    summary["per_rank"] = [{k: r.get(k) for k in keys} for r in results]  # rank 0's view is not everyone's
-    rd.write_summary(summary)
+    finally:
+        rd.release()
     return summary
 
 
@@ -290,7 +293,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         if rank == 0:
             rd.mark_latest(step, keep=cfg.keep_checkpoints)
 
-    metrics_f = open(rd.path / "metrics.jsonl", "a") if (rd is not None and rank == 0) else None  # noqa: SIM115
+    metrics_f = rd.metrics_writer() if (rd is not None and rank == 0) else None
     bar = _progress_bar(cfg, start) if (cfg.progress and rank == 0) else None
     losses, rows = [], []
     comm.barrier()
@@ -323,13 +326,13 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             losses.append(lv)
             rows.append(rec)
             if metrics_f is not None:
-                metrics_f.write(json.dumps(rec) + "\n")
-                metrics_f.flush()
+                metrics_f.write(rec)
             if bar is not None:
                 bar.set_postfix(_progress_fields(rec, last_acc), refresh=False)
                 bar.update(1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 checkpoint(step + 1)
+            progress()  # the stall timeout counts from here (sparsync.launch.run_local)
     except BaseException:
         _close(ddp)
         raise
@@ -338,7 +341,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             bar.close()
         if metrics_f is not None:
             metrics_f.close()
-    if cfg.final_checkpoint:
+    if cfg.final_checkpoint and cfg.steps > start:  # a checkpoint is named by the step whose state it holds
         checkpoint(cfg.steps)
     _close(ddp)
     summary = summarize(cfg, rows if rd is None else RunDir(run_path).metrics() if rank == 0 else rows,

@@ -65,8 +65,9 @@ def load_runs(path, with_metrics: bool = False) -> list[dict]:
         rec = json.loads((d / "summary.json").read_text())
         rec["path"] = str(d)
         if with_metrics:
-            mf = d / "metrics.jsonl"
-            rec["metrics"] = [json.loads(x) for x in mf.read_text().splitlines() if x.strip()] if mf.exists() else []
+            from .runs import read_metrics
+
+            rec["metrics"] = read_metrics(d / "metrics.jsonl")  # a torn last line: dropped, with a warning
         out.append(rec)
     return add_speedups(out)
 

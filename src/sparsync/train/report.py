@@ -51,7 +51,9 @@ def _is_baseline(s: dict) -> bool:
 
 def _load(run_dir: Path) -> tuple[dict, list[dict]]:
     s = json.loads((run_dir / "summary.json").read_text())
-    m = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    from .runs import read_metrics
+
+    m = read_metrics(run_dir / "metrics.jsonl")  # a torn last line: dropped, with a warning
     return s, m
 
 

@@ -24,26 +24,47 @@ saving leaves the previous checkpoint in charge.
 
 Refusals (clear messages, never a silent overwrite): an existing run directory without ``--force``
 or ``--resume``; ``--resume`` with no checkpoint; a checkpoint whose file is unreadable (corrupt) or
-whose config fingerprint / world size / rank differs from the run's.
+whose config fingerprint / world size / rank differs from the run's; ``--resume --steps N`` with N
+below the step the latest checkpoint holds (checkpoints are named by the step whose state they hold).
+
+Ownership and concurrency: a run name is one path component (:func:`check_run_name`: no ``/``, not
+``.``, ``..`` or empty), so a run never lands outside ``runs_dir``. A run directory carries a marker
+file (``.sparsync-run``) from its creation on, and ``--force`` empties only a directory that has it
+(:func:`is_run`): never a directory sparsync did not make. Every writer holds an advisory lock
+(``fcntl.flock`` on ``<run>/.lock``, :class:`RunLock`) from preparing the directory to the end of
+the run; a second writer (a second ``--resume``, a ``--force`` on a live run) gets :class:`RunBusy`
+naming the holder's pid. ``--force`` empties the directory but keeps the lock file, so the lock
+stays one file for the directory's whole life.
+
+Metrics: one JSON object per line, each written with a single ``write`` on an ``O_APPEND`` file
+(:class:`MetricsWriter`), so a write cut short (a full disk, a kill) can only tear the last line;
+:func:`read_metrics` drops a torn last line with a warning naming the file, and a failed write
+raises an ``OSError`` naming the file.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
-__all__ = ["CKPT_FORMAT", "CheckpointError", "RunDir", "RunExists", "TrainConfig"]
+__all__ = ["CKPT_FORMAT", "CheckpointError", "MetricsWriter", "RunBusy", "RunDir", "RunExists", "RunLock",
+           "TrainConfig", "check_run_name", "is_run", "read_metrics"]
 
 CKPT_FORMAT = "sparsync-train-checkpoint/1"
+RUN_FORMAT = "sparsync-run/1"
+MARKER = ".sparsync-run"   # written when a run (or a comparison) directory is created
+LOCK = ".lock"             # the advisory lock file of a run directory (kept by --force)
 
 
 class CheckpointError(RuntimeError):
@@ -51,12 +72,189 @@ class CheckpointError(RuntimeError):
 
 
 class RunExists(RuntimeError):
-    """The run directory exists and neither --force nor --resume was given."""
+    """The run directory exists and neither --force nor --resume was given (or --force was given
+    for a directory that is not a sparsync run)."""
+
+
+class RunBusy(RunExists):
+    """Another live process writes this run directory (it holds the run's lock)."""
+
+
+def check_run_name(name, what: str = "--name") -> str:
+    """``name`` if it is one path component (a directory name inside ``runs_dir``), else ValueError."""
+    bad = (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name
+           or bool(os.altsep and os.altsep in name))
+    if bad:
+        raise ValueError(f"{what} must be a single directory name inside the runs directory (no '/', not '.', "
+                         f"'..' or empty), got {name!r}")
+    return name
+
+
+def _marker(path: Path) -> dict | None:
+    try:
+        d = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and d.get("format") == RUN_FORMAT else None
+
+
+def is_run(path, kind: str = "train") -> bool:
+    """Whether ``path`` is a directory sparsync made for a run (``kind="train"``) or a comparison
+    (``"compare"``): its marker file says so. Directories of older versions (no marker) count when
+    they hold what only sparsync writes: a train run's ``config.json`` with its fingerprint and
+    ``metrics.jsonl``, a comparison's ``comparison.json``. A symbolic link never counts."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return False
+    m = _marker(path)
+    if m is not None:
+        return m.get("kind") == kind
+    if kind == "compare":
+        return (path / "comparison.json").is_file()
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "fingerprint" in cfg and (path / "metrics.jsonl").is_file()
+
+
+def _clear(path: Path, keep: tuple[str, ...] = (LOCK,)) -> None:
+    """Remove everything inside ``path`` except the names in ``keep`` (links are removed, not followed)."""
+    for x in path.iterdir():
+        if x.name in keep:
+            continue
+        if x.is_dir() and not x.is_symlink():
+            shutil.rmtree(x)
+        else:
+            x.unlink()
+
+
+class RunLock:
+    """An exclusive advisory lock on a run directory: ``fcntl.flock`` on ``<dir>/.lock``, which holds
+    the owner's pid. The kernel drops it when the owner's last descriptor closes (a killed launcher
+    frees it at once). :meth:`acquire` raises :class:`RunBusy` naming the holder."""
+
+    def __init__(self, path, what: str = "run directory"):
+        self.path, self.what, self.fd = Path(path), what, None
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunBusy(f"{self.what} {self.path} is in use by another sparsync process (pid {holder}); "
+                          "wait for it to end, or pick another --name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    close = release  # contextlib.closing
+
+
+def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str = "run directory") -> RunLock:
+    """Create (or, with ``force``, empty) the run or comparison directory ``path`` and lock it; returns
+    the held :class:`RunLock`. An existing non-empty directory is refused without ``force``, and
+    with it unless it :func:`is_run` of ``kind`` (nothing else is ever deleted); a locked one is
+    refused (:class:`RunBusy`). Writes the marker (``job``: the torchrun job that made it)."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise RunExists(f"{path} exists and is not a directory; pick another --name or --runs-dir")
+
+    def refuse_unless_ours():
+        if path.is_dir() and any(x.name != LOCK for x in path.iterdir()):
+            if not force:
+                raise RunExists(f"{what} {path} already exists; pass --force to overwrite it, "
+                                + ("--resume to continue it, " if kind == "train" else "")
+                                + "or --name to pick another name")
+            if not is_run(path, kind):
+                raise RunExists(f"{path} exists and is not a sparsync {'run' if kind == 'train' else 'comparison'} "
+                                "directory (no marker file); --force deletes only those - pick another --name")
+            return True
+        return False
+
+    refuse_unless_ours()  # before anything is created in a directory that is not ours
+    path.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(path, what).acquire()
+    try:
+        if refuse_unless_ours():  # again under the lock: another process may have written meanwhile
+            _clear(path)
+        _atomic_write(path / MARKER, json.dumps({"format": RUN_FORMAT, "kind": kind, "job": job}))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def run_job(path) -> str | None:
+    """The torchrun job recorded in a run directory's marker (None: none, or no marker)."""
+    m = _marker(Path(path))
+    return m.get("job") if m else None
+
+
+def read_metrics(path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (missing file: none). A torn last line - a write cut short
+    by a full disk or a kill - is dropped with a warning naming the file; an unreadable line before
+    the last is a :class:`CheckpointError` naming the file and the line."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = path.read_text(errors="replace").split("\n")
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if not any(x.strip() for x in lines[i + 1:]):  # the last line: torn
+                warnings.warn(f"{path}: ignoring its torn last line (a write cut short, e.g. by a full disk): "
+                              f"{line[:60]!r}", RuntimeWarning, stacklevel=2)
+                break
+            raise CheckpointError(f"{path} line {i + 1} is not a metrics record ({e}); "
+                                  "the file is damaged") from None
+        out.append(rec)
+    return out
+
+
+class MetricsWriter:
+    """Appends one record per line to ``metrics.jsonl``: each line one ``os.write`` on an
+    ``O_APPEND`` descriptor (a cut-short write tears only the last line, which :func:`read_metrics`
+    drops); a failed write raises ``OSError`` with the file named (a full disk says where)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+
+    def write(self, rec: dict) -> None:
+        data = (json.dumps(rec) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError as e:
+            raise OSError(e.errno, f"{e.strerror} (writing the metrics file)", str(self.path)) from None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
 
 
 #: fields that do not change the trajectory of a run (may differ between a run and its resume)
 _VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "force", "resume",
-             "target_accuracy", "timeout", "final_checkpoint", "keep_checkpoints"}
+             "target_accuracy", "timeout", "time_limit", "final_checkpoint", "keep_checkpoints"}
 _TMP_RE = re.compile(r"\.tmp\d+$")  # what _atomic_write / save_checkpoint leave when killed
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -90,7 +288,8 @@ class TrainConfig:
     final_checkpoint: bool = True     # compare turns it off (each rank's file is ~50 MB for digits-mlp)
     network: str = "loopback"         # loopback | 1gbit (any tc rate) | thread
     progress: bool = True
-    timeout: float = 600.0
+    timeout: float = 600.0            # stall timeout: seconds without a completed step (run_local)
+    time_limit: float | None = None   # whole-run limit in seconds (None: none)
 
     def fill_defaults(self, workload) -> TrainConfig:
         d = workload.defaults
@@ -149,45 +348,66 @@ def default_name(cfg: TrainConfig) -> str:
 
 
 class RunDir:
-    """One run's directory; created by the launcher process (rank 0 appends metrics)."""
+    """One run's directory; created by the launcher process (rank 0 appends metrics). A RunDir made
+    by :meth:`prepare` holds the run's lock until :meth:`release` (or until the process ends)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self.lock: RunLock | None = None
 
     # ------------------------------------------------------------------ set-up
     @classmethod
-    def prepare(cls, cfg: TrainConfig, force: bool = False, resume: bool = False) -> tuple[RunDir, dict | None]:
-        """Create (or reopen for ``resume``) ``runs_dir/name``; returns (run dir, resume info or None)."""
+    def prepare(cls, cfg: TrainConfig, force: bool = False, resume: bool = False,
+                job: str | None = None) -> tuple[RunDir, dict | None]:
+        """Create (or reopen for ``resume``) ``runs_dir/name`` and lock it; returns (run dir, resume
+        info or None). ``job``: the torchrun job creating it (recorded in the marker)."""
+        check_run_name(cfg.name)
         rd = cls(Path(cfg.runs_dir) / cfg.name)
-        if resume:
-            if not rd.path.exists():
-                raise CheckpointError(f"--resume: run directory {rd.path} does not exist (nothing to resume)")
-            step = rd.latest_step()
-            if step is None:
-                raise CheckpointError(f"--resume: {rd.path} has no complete checkpoint "
-                                      f"(run with --checkpoint-every N, or the run ended before its first save)")
-            old = rd.read_config()
-            if old is not None and old.fingerprint() != cfg.fingerprint():
-                diff = sorted(k for k, v in cfg.to_dict().items()
-                              if k not in _VOLATILE and old.to_dict().get(k) != v)
-                raise CheckpointError(f"--resume: {rd.path} was created with a different configuration "
-                                      f"(differs in: {', '.join(diff)}); refusing to mix them")
-            rd.verify_checkpoint(step, cfg)
-            rd.remove_incomplete()
-            rd.truncate_metrics(step)
-            rd.write_config(cfg)
-            return rd, {"step": step, "dir": str(rd.ckpt_dir(step))}
-        if rd.path.exists() and not rd.path.is_dir():
-            raise RunExists(f"{rd.path} exists and is not a directory; pick another --name or --runs-dir")
-        if rd.path.exists() and any(rd.path.iterdir()):
-            if not force:
-                raise RunExists(f"run directory {rd.path} already exists; pass --force to overwrite it, "
-                                f"--resume to continue it, or --name to pick another name")
-            shutil.rmtree(rd.path)
-        rd.path.mkdir(parents=True, exist_ok=True)
-        rd.write_config(cfg)
-        (rd.path / "metrics.jsonl").write_text("")
-        return rd, None
+        if not resume:
+            rd.lock = prepare_dir(rd.path, "train", force, job=job)
+            try:
+                rd.write_config(cfg)
+                (rd.path / "metrics.jsonl").write_text("")
+            except BaseException:
+                rd.release()
+                raise
+            return rd, None
+        if not rd.path.is_dir() or rd.path.is_symlink():
+            raise CheckpointError(f"--resume: run directory {rd.path} does not exist (nothing to resume)")
+        rd.lock = RunLock(rd.path).acquire()
+        try:
+            return rd, rd._reopen(cfg)
+        except BaseException:
+            rd.release()
+            raise
+
+    def _reopen(self, cfg: TrainConfig) -> dict:
+        """``--resume`` under the lock: check the latest checkpoint belongs to ``cfg`` and is not past
+        ``cfg.steps``, drop what came after it; returns the resume info."""
+        step = self.latest_step()
+        if step is None:
+            raise CheckpointError(f"--resume: {self.path} has no complete checkpoint "
+                                  f"(run with --checkpoint-every N, or the run ended before its first save)")
+        if cfg.steps is not None and cfg.steps < step:
+            raise CheckpointError(f"--resume --steps {cfg.steps}: the latest checkpoint of {self.path} already "
+                                  f"holds step {step}; pass --steps {step} or more to continue it")
+        old = self.read_config()
+        if old is not None and old.fingerprint() != cfg.fingerprint():
+            diff = sorted(k for k, v in cfg.to_dict().items()
+                          if k not in _VOLATILE and old.to_dict().get(k) != v)
+            raise CheckpointError(f"--resume: {self.path} was created with a different configuration "
+                                  f"(differs in: {', '.join(diff)}); refusing to mix them")
+        self.verify_checkpoint(step, cfg)
+        self.remove_incomplete()
+        self.truncate_metrics(step)
+        self.write_config(cfg)
+        return {"step": step, "dir": str(self.ckpt_dir(step))}
+
+    def release(self) -> None:
+        """Give the run's lock back (after the run; idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # ------------------------------------------------------------------ files
     def write_config(self, cfg: TrainConfig) -> None:
@@ -202,10 +422,10 @@ class RunDir:
         return TrainConfig.from_dict(json.loads(p.read_text()))
 
     def metrics(self) -> list[dict]:
-        p = self.path / "metrics.jsonl"
-        if not p.exists():
-            return []
-        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path / "metrics.jsonl")
+
+    def metrics_writer(self) -> MetricsWriter:
+        return MetricsWriter(self.path / "metrics.jsonl")
 
     def truncate_metrics(self, step: int) -> None:
         """Keep the records of steps < ``step`` (the checkpoint was taken after ``step`` steps)."""
@@ -237,7 +457,8 @@ class RunDir:
         _atomic_write(self.path / "checkpoints" / "latest", f"{step}\n")
         if keep and keep > 0:
             for old in self.checkpoint_steps()[:-keep]:
-                shutil.rmtree(self.ckpt_dir(old), ignore_errors=True)
+                if old != step:  # never the one ``latest`` names
+                    shutil.rmtree(self.ckpt_dir(old), ignore_errors=True)
 
     def checkpoint_steps(self) -> list[int]:
         """Steps of the checkpoint directories on disk, ascending (complete or not)."""
@@ -339,6 +560,9 @@ def _atomic_write(path: Path, text: str) -> None:
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
+    except OSError as e:  # a write error names no file by itself (a full disk: which one?)
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

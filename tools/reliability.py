@@ -1,0 +1,981 @@
+"""Try fault and bad-input cases and write the table of docs/reliability.md.
+
+``python tools/reliability.py [--out docs/reliability.md]`` runs every case below for real (real
+gloo processes, real signals, real files; the thread backend where a case is about the reducers'
+arithmetic) and classifies what happened:
+
+* **clean error** - the expected exception / exit code, one line naming the problem (and the rank);
+* **recovers** - the fault is survived: nothing is left behind, a resume is bitwise;
+* **silent wrong** - no error although the input or state was bad;
+* **hang** - no answer within the case's time limit.
+
+The table between the ``<!-- table -->`` markers of the output file is replaced; the rest of the
+file (the prose, the elastic-restart recipe) is kept. Cases that need root (emulated network, a
+read-only mount) are marked "not tried" elsewhere. ``--cost`` measures the non-finite check of
+``Reducer.reduce`` at n = 1e7 instead (the ``<!-- cost -->`` section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import errno
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from sparsync.tables import format_table
+
+CASES: list = []
+
+
+def case(kind: str, what: str, limit: float = 120.0):
+    def deco(fn):
+        CASES.append((kind, what, limit, fn))
+        return fn
+
+    return deco
+
+
+class Outcome(Exception):
+    def __init__(self, outcome: str, detail: str):
+        super().__init__(outcome, detail)
+        self.outcome, self.detail = outcome, detail
+
+
+def _expect_error(fn, exc_type, pattern: str) -> tuple[str, str]:
+    try:
+        fn()
+    except exc_type as e:  # noqa: BLE001
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if re.search(pattern, str(e)):
+            return "clean error", f"{type(e).__name__}: {msg}"
+        return "unclear error", f"{type(e).__name__}: {msg}"
+    return "silent wrong", "no error"
+
+
+def _thread(fn, *args, P=4):
+    from sparsync.launch import run_local
+
+    return run_local(fn, P, *args, backend="thread", timeout=30)
+
+
+# ---------------------------------------------------------------------- bad input
+@case("bad input", "NaN, +Inf, -Inf in the gradient of every registered reducer (used directly)")
+def _nonfinite_all():
+    from sparsync.reducers.registry import load_all, make_reducer
+
+    bad_cases, total = [], 0
+    for name in sorted(load_all()):
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            total += 1
+
+            def w(comm, name=name, bad=bad):
+                r = make_reducer(name, comm, 0.05)
+                g = torch.randn(4096)
+                if comm.rank == 1:
+                    g[3] = bad
+                return r.reduce(g)
+
+            out = _expect_error(lambda w=w: _thread(w), FloatingPointError, r"rank 1: .*non-finite")
+            if out[0] != "clean error":
+                bad_cases.append(f"{name}/{bad}: {out[0]}")
+    if bad_cases:
+        return "silent wrong", "; ".join(bad_cases)
+    return "clean error", (f"all {len(load_all())} reducers x 3 values: FloatingPointError 'rank 1: "
+                           "<reducer>.reduce got a non-finite gradient at step 0 ...'")
+
+
+@case("bad input", "NaN gradient under SparseDDP (default nonfinite='error')")
+def _nonfinite_ddp():
+    from torch import nn
+
+    from sparsync.ddp import SparseDDP
+
+    with torch.random.fork_rng(devices=[]):  # one seeded model for every rank; the caller's RNG restored
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+
+    def w(comm):
+        m = copy.deepcopy(model)
+        d = SparseDDP(m, comm, reducer="micro", density=0.5)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(comm.rank))
+        if comm.rank == 2:
+            x[0, 0] = float("nan")
+        d(x).sum().backward()
+
+    return _expect_error(lambda: _thread(w), FloatingPointError, r"non-finite")
+
+
+@case("bad input", "spardl.reduce(torch.zeros(0))")
+def _empty():
+    from sparsync.reducers.registry import make_reducer
+
+    return _expect_error(lambda: _thread(lambda c: make_reducer("spardl", c, 0.05).reduce(torch.zeros(0))),
+                         ValueError, "non-empty gradient")
+
+
+@case("bad input", "ranks pass different dtypes (float32 / float64)")
+def _dtypes():
+    from sparsync.reducers.registry import make_reducer
+
+    def w(c):
+        return make_reducer("micro", c, 0.05).reduce(torch.randn(256, dtype=torch.float64 if c.rank else torch.float32))
+
+    return _expect_error(lambda: _thread(w, P=2), ValueError, "dtype differs across ranks")
+
+
+@case("bad input", "ranks use different densities")
+def _densities():
+    from sparsync.reducers.registry import make_reducer
+
+    return _expect_error(lambda: _thread(lambda c: make_reducer("spardl", c, 0.05 * (1 + c.rank)).reduce(
+        torch.randn(256)), P=2), ValueError, "density differs across ranks")
+
+
+@case("bad input", "ranks pass different gradient sizes")
+def _numels():
+    from sparsync.reducers.registry import make_reducer
+
+    return _expect_error(lambda: _thread(lambda c: make_reducer("s2", c, 0.05).reduce(torch.randn(256 + c.rank)),
+                                         P=2), ValueError, "numel differs across ranks")
+
+
+@case("bad input", "SparseVec(numel=2.7)")
+def _sparsevec():
+    from sparsync.sparse import SparseVec
+
+    return _expect_error(lambda: SparseVec(torch.tensor([0]), torch.tensor([1.0]), 2.7), TypeError, "integer")
+
+
+def _cli(argv: list[str]) -> tuple[int, str]:
+    p = subprocess.run([sys.executable, "-m", "sparsync.cli", *argv], capture_output=True, text=True, timeout=300)
+    return p.returncode, p.stderr.strip()
+
+
+def _cli_case(argv, code, pattern):
+    rc, err = _cli(argv)
+    lines = err.splitlines()
+    last = lines[-1] if lines else ""
+    if rc == code and len(lines) == 1 and re.search(pattern, last):
+        return "clean error", f"exit {rc}: {last}"
+    return ("silent wrong" if rc == 0 else "unclear error"), f"exit {rc}: {err[-300:]}"
+
+
+_SMALL = ["--thread", "--workload", "digits-mlp", "--workload-option", "width=16", "--workers", "2",
+          "--reducer", "micro", "--no-progress"]
+
+
+@case("bad input", "`sparsync train --batch-size 0`")
+def _batch0():
+    return _cli_case(["train", *_SMALL, "--steps", "2", "--batch-size", "0", "--runs-dir", _TMP, "--name", "b0"],
+                     2, "batch-size.*positive integer")
+
+
+@case("bad input", "`--runs-dir` is a file")
+def _runs_dir_file():
+    f = Path(_TMP) / "a-file"
+    f.write_text("x")
+    return _cli_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(f), "--name", "x"], 2,
+                     "Not a directory|not a directory")
+
+
+@contextlib.contextmanager
+def tmpfs(path, options: str = "size=64k"):
+    """A tmpfs mounted at ``path`` (created) with ``options`` for the block (root only), unmounted after."""
+    path = Path(path)
+    path.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@case("bad input", "`--runs-dir` on a read-only filesystem")
+def _runs_dir_ro():
+    if os.geteuid() != 0:
+        return "not tried", "needs root to mount a read-only tmpfs"
+    with tmpfs(Path(_TMP) / "ro", "ro,size=64k") as d:
+        return _cli_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(d), "--name", "x"], 2,
+                         "Read-only file system")
+
+
+def _train_cfg(name, steps=4, **kw):
+    from sparsync.train.loop import validate
+    from sparsync.train.runs import TrainConfig
+
+    d = dict(workload="digits-mlp", workload_options={"width": 16}, reducer="micro", density=0.05, workers=2,
+             steps=steps, eval_every=2, runs_dir=_TMP, name=name, network="thread", progress=False, timeout=60)
+    d.update(kw)
+    cfg = TrainConfig(**d)
+    validate(cfg)
+    return cfg
+
+
+@case("bad input", "`--resume` from a checkpoint whose pickle runs os.system")
+def _evil():
+    from sparsync.train.loop import launch
+    from sparsync.train.runs import CheckpointError
+
+    launch(_train_cfg("evil", 2))
+    ck = Path(_TMP) / "evil" / "checkpoints" / "step_000002" / "rank0.pt"
+    marker = Path(_TMP) / "pwned"
+    blob = torch.load(ck, weights_only=True)
+    blob["loop"] = _Evil(str(marker))
+    torch.save(blob, ck)
+    out = _expect_error(lambda: launch(_train_cfg("evil", 4), resume=True), CheckpointError, "could run code")
+    if marker.exists():
+        return "silent wrong", "the payload ran"
+    return out[0], out[1][:160] + " (payload not run)"
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@case("bad input", "`--resume` from a truncated / garbage checkpoint file")
+def _corrupt():
+    from sparsync.train.loop import launch
+    from sparsync.train.runs import CheckpointError
+
+    launch(_train_cfg("corrupt", 2))
+    (Path(_TMP) / "corrupt" / "checkpoints" / "step_000002" / "rank1.pt").write_bytes(b"PK\x03\x04garbage")
+    return _expect_error(lambda: launch(_train_cfg("corrupt", 4), resume=True), CheckpointError, "corrupt")
+
+
+# ---------------------------------------------------------------------- disk
+@case("disk", "disk full (ENOSPC) while rank 1 saves a checkpoint")
+def _enospc():
+    from sparsync.train import runs as R
+    from sparsync.train.loop import launch
+
+    real = torch.save
+
+    def save(obj, f, *a, **k):
+        if "step_000004" in str(f) and "rank1" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real(obj, f, *a, **k)
+
+    R.torch.save = save
+    try:
+        out = _expect_error(lambda: launch(_train_cfg("full", 6, checkpoint_every=2)), R.CheckpointError,
+                            r"rank 1: could not write checkpoint .*No space left")
+    finally:
+        R.torch.save = real
+    rd = R.RunDir(Path(_TMP) / "full")
+    if out[0] == "clean error" and (rd.latest_step() != 2 or rd.checkpoint_steps() != [2]):
+        return "silent wrong", f"latest {rd.latest_step()}, on disk {rd.checkpoint_steps()}"
+    launch(_train_cfg("full", 6, checkpoint_every=2), resume=True)
+    return out[0], out[1][:140] + "...; latest stays 2, resume completes"
+
+
+@case("disk", "checkpoint every 2 steps for 12 steps (pruning), temp files of a killed save")
+def _prune():
+    from sparsync.train.loop import launch
+    from sparsync.train.runs import RunDir
+
+    launch(_train_cfg("prune", 12, checkpoint_every=2))
+    rd = RunDir(Path(_TMP) / "prune")
+    (rd.ckpt_dir(12) / "rank0.tmp4242").write_bytes(b"x")
+    (rd.path / "checkpoints" / "latest").write_text("10\n")
+    launch(_train_cfg("prune", 12, checkpoint_every=2), resume=True)
+    tmp = glob.glob(str(rd.path / "**" / "*.tmp*"), recursive=True)
+    if rd.checkpoint_steps() == [10, 12] and not tmp:
+        return "recovers", "2 newest kept (default --keep-checkpoints 2); temp file and unfinished step removed"
+    return "silent wrong", f"on disk {rd.checkpoint_steps()}, temp {tmp}"
+
+
+# ---------------------------------------------------------------------- processes
+def _launch_and_kill(name, victim, sig=signal.SIGKILL, extra=()):
+    metrics = Path(_TMP) / name / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "sparsync.cli", "train", "--workload", "digits-mlp", "--workload-option",
+           "width=16", "--reducer", "micro", "--workers", "2", "--steps", "100000", "--eval-every", "100000",
+           "--runs-dir", _TMP, "--name", name, "--no-progress", *extra]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and p.poll() is None:
+        with contextlib.suppress(OSError):
+            if len(metrics.read_text().splitlines()) >= 2:
+                break
+        time.sleep(0.02)
+    ranks = rank_pids(p.pid)
+    below = descendants(p.pid)
+    os.kill(p.pid if victim == "launcher" else ranks[victim], sig)
+    try:
+        _, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return "hang", "launcher did not end within 60 s"
+    t0 = time.monotonic()
+    left = wait_clean(p.pid, below, 5.0)
+    return p.returncode, err.strip(), left, time.monotonic() - t0
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """{rank: pid} of a launcher's live rank processes (named ``ss<launcher pid>r<rank>``)."""
+    out = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            m = re.fullmatch(rf"ss{launcher_pid}r(\d+)", Path(f"/proc/{d}/comm").read_text().strip())
+            if m and alive(int(d)):
+                out[int(m.group(1))] = int(d)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren, ...)."""
+    kids: dict[int, list[int]] = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            kids.setdefault(int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie (a zombie runs nothing and holds nothing)."""
+    from sparsync.launch import proc_state
+
+    return proc_state(pid) not in (None, "Z", "X")
+
+
+def leftovers(launcher_pid: int, pids) -> dict:
+    """What a launcher left: live processes among ``pids``, its stores, its namespaces (empty lists: nothing)."""
+    from sparsync.cluster import PREFIX, list_namespaces
+    from sparsync.launch import STORE_PREFIX
+
+    return {"processes": [p for p in pids if alive(p)],
+            "stores": glob.glob(os.path.join(tempfile.gettempdir(), f"{STORE_PREFIX}{launcher_pid}-*")),
+            "namespaces": [n for n in list_namespaces() if n.startswith(f"{PREFIX}{launcher_pid}s")]}
+
+
+def wait_clean(launcher_pid: int, pids, timeout: float = 5.0) -> dict:
+    """Poll until nothing is left ({}) or ``timeout`` passes (then what is left)."""
+    end = time.monotonic() + timeout
+    while True:
+        left = {k: v for k, v in leftovers(launcher_pid, pids).items() if v}
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.05)
+
+
+def _kill_case(name, victim, sig=signal.SIGKILL, extra=()):
+    res = _launch_and_kill(name, victim, sig, extra)
+    if isinstance(res[0], str):
+        return res
+    rc, err, left, took = res
+    if left:
+        return "silent wrong", f"left after 5 s: {left}"
+    last = err.splitlines()[-1] if err else ""
+    if victim == "launcher":
+        return "recovers", (f"launcher exit {rc}; every rank, the reaper and the store gone {took:.1f} s after "
+                            "the launcher ended")
+    if rc == 1 and f"rank {victim}" in last and "Traceback" not in err:
+        return "clean error", f"exit 1: {last}; nothing left {took:.1f} s after the launcher ended"
+    return "unclear error", f"exit {rc}: {err[-300:]}"
+
+
+@case("process", "kill -9 of rank 1 (loopback)", limit=300)
+def _kill_rank():
+    return _kill_case("kr", 1)
+
+
+@case("process", "kill -9 of the launcher (loopback)", limit=300)
+def _kill_launcher():
+    return _kill_case("kl", "launcher")
+
+
+@case("process", "SIGTERM to the launcher (loopback)", limit=300)
+def _term_launcher():
+    return _kill_case("tl", "launcher", signal.SIGTERM)
+
+
+@case("process", "kill -9 of the launcher on the emulated 1 Gbit/s network", limit=300)
+def _kill_launcher_netns():
+    from sparsync.cluster import netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        return "not tried", reason
+    out = _kill_case("kln", "launcher", extra=("--bandwidth", "1gbit"))
+    return out[0], out[1] + " (namespaces included)" if out[0] == "recovers" else out[1]
+
+
+def _stop_worker(comm):
+    import time as _t
+
+    for i in range(10_000):
+        if comm.rank == 1 and i == 20:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        comm.allreduce(torch.ones(8))
+        _t.sleep(0.001)
+
+
+@case("process", "SIGSTOP of rank 1 (the others time out)", limit=120)
+def _sigstop():
+    from sparsync.launch import RankFailed, run_local
+
+    return _expect_error(lambda: run_local(_stop_worker, 3, backend="gloo", timeout=5), RankFailed,
+                         r"rank 1 of 3 stopped responding")
+
+
+# ---------------------------------------------------------------------- run directories
+def _main(argv: list[str]) -> tuple[int, str]:
+    """``sparsync.cli.main`` in this process (no interpreter start-up): exit code and stderr."""
+    import io
+
+    from sparsync.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(argv)
+    return rc, err.getvalue().strip()
+
+
+def _main_case(argv, code, pattern, left=None):
+    """One command in this process: "clean error" when it exits ``code`` with one line matching
+    ``pattern`` and ``left()`` (what must not have happened) says nothing."""
+    rc, err = _main(argv)
+    lines = err.splitlines()
+    last = lines[-1] if lines else ""
+    harm = left() if left else None
+    if harm:
+        return "silent wrong", f"exit {rc}: {harm}"
+    if rc == code and len(lines) == 1 and re.search(pattern, last):
+        return "clean error", f"exit {rc}: {last}"
+    return ("silent wrong" if rc == 0 else "unclear error"), f"exit {rc}: {err[-300:]}"
+
+
+_COMPARE = ["compare", "--thread", "--workload", "digits-mlp", "--workload-option", "width=16", "--workers", "2",
+            "--configs", "micro:0.05", "--no-baselines", "--no-progress", "--steps", "2"]
+
+
+def _tree(path: Path) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else []
+
+
+@case("run dir", "`--name ../victim`, `/abs/path`, `''`, `.`, with and without `--force`, in `train` and `compare`")
+def _names():
+    victim, runs = Path(_TMP) / "victim", Path(_TMP) / "names"
+    victim.mkdir(exist_ok=True)
+    (victim / "precious").write_text("x")
+    _main(["train", *_SMALL, "--steps", "2", "--runs-dir", str(runs), "--name", "other"])
+    before, outs = (_tree(victim), _tree(runs)), []
+    for name in ("../victim", str(victim), "", "."):
+        for force in ([], ["--force"]):
+            for cmd in (["train", *_SMALL, "--steps", "2"], _COMPARE):
+                outs.append(_main([*cmd, "--runs-dir", str(runs), "--name", name, *force]))
+    if (_tree(victim), _tree(runs)) != before:
+        return "silent wrong", "something was deleted or created"
+    if all(rc == 2 and len(e.splitlines()) == 1 and "single directory name" in e for rc, e in outs):
+        return "clean error", f"{len(outs)} commands, each exit 2: {outs[0][1]}; nothing deleted or created"
+    return "unclear error", "; ".join(f"exit {rc}: {e[-120:]}" for rc, e in outs if rc != 2)[:300]
+
+
+@case("run dir", "`--force` on a directory that is not a sparsync run (`train`, `compare`)")
+def _force_foreign():
+    runs = Path(_TMP) / "foreign"
+    mine = runs / "mine"
+    mine.mkdir(parents=True, exist_ok=True)
+    (mine / "notes.txt").write_text("mine")
+    out = _main_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(runs), "--name", "mine", "--force"], 2,
+                     r"is not a sparsync run directory \(no marker file\); --force deletes only those",
+                     lambda: None if (mine / "notes.txt").exists() else "the directory was deleted")
+    out2 = _main_case([*_COMPARE, "--runs-dir", str(runs), "--name", "mine", "--force"], 2,
+                      r"is not a sparsync comparison directory",
+                      lambda: None if (mine / "notes.txt").exists() else "the directory was deleted")
+    return out if out[0] != "clean error" else out2[0], out[1] + " (compare: the same)"
+
+
+@case("run dir", "`--force` and a second `--resume` while a run is live (loopback)", limit=300)
+def _live():
+    from sparsync.train.runs import RunDir
+
+    metrics = Path(_TMP) / "live" / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "sparsync.cli", "train", "--workload", "digits-mlp", "--workload-option", "width=16",
+           "--reducer", "micro", "--workers", "2", "--steps", "100000", "--eval-every", "100000", "--runs-dir", _TMP,
+           "--name", "live", "--no-progress"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end = time.monotonic() + 240
+        while p.poll() is None and time.monotonic() < end:
+            with contextlib.suppress(OSError):
+                if len(metrics.read_text().splitlines()) >= 4:
+                    break
+            time.sleep(0.05)
+        outs = [_main([*cmd[3:], *extra]) for extra in (["--force"], ["--resume"])]
+        alive_after = p.poll() is None
+    finally:
+        p.kill()
+        p.communicate()
+    steps = [m["step"] for m in RunDir(Path(_TMP) / "live").metrics()]
+    if not alive_after or steps != list(range(len(steps))):
+        return "silent wrong", f"live run alive: {alive_after}; its steps in order: {steps == list(range(len(steps)))}"
+    want = f"is in use by another sparsync process (pid {p.pid})"
+    if all(rc == 2 and len(e.splitlines()) == 1 and want in e for rc, e in outs):
+        return "clean error", f"both exit 2: {outs[0][1]}; the live run goes on"
+    return "unclear error", "; ".join(f"exit {rc}: {e[-150:]}" for rc, e in outs)
+
+
+@case("run dir", "`--resume --steps 4` of a finished 8-step run (checkpoints every 4)")
+def _resume_fewer():
+    from sparsync.train.runs import RunDir
+
+    base = ["train", *_SMALL, "--checkpoint-every", "4", "--runs-dir", _TMP, "--name", "fewer"]
+    _main([*base, "--steps", "8"])
+    rd = RunDir(Path(_TMP) / "fewer")
+    return _main_case([*base, "--steps", "4", "--resume"], 2, r"already holds step 8; pass --steps 8 or more",
+                      lambda: None if rd.latest_step() == 8 and (rd.ckpt_dir(8) / "rank1.pt").exists()
+                      and rd.checkpoint_steps() == [4, 8] else f"checkpoints now {rd.checkpoint_steps()}")
+
+
+@case("disk", "torn last line of metrics.jsonl (a cut-short write), then `--resume`")
+def _torn():
+    from sparsync.train.runs import read_metrics
+
+    base = ["train", *_SMALL, "--checkpoint-every", "2", "--runs-dir", _TMP, "--name", "torn"]
+    _main([*base, "--steps", "4"])
+    mf = Path(_TMP) / "torn" / "metrics.jsonl"
+    with open(mf, "a") as f:
+        f.write('{"step": 4, "loss": 0.1')
+    rc, err = _main([*base, "--steps", "6", "--resume"])
+    steps = [m["step"] for m in read_metrics(mf)]
+    if rc == 0 and steps == list(range(6)) and f"{mf}: ignoring its torn last line" in err:
+        return "recovers", "warning names the file and drops the torn line; resume completes, steps 0-5 once each"
+    return "unclear error", f"exit {rc}: {err[-200:]}; steps {steps}"
+
+
+@case("disk", "disk full while rank 0 appends metrics (64 KiB tmpfs)")
+def _metrics_enospc():
+    if os.geteuid() != 0:
+        return "not tried", "needs root to mount a small tmpfs"
+    with tmpfs(Path(_TMP) / "small") as d:
+        return _main_case(["train", *_SMALL, "--steps", "100000", "--eval-every", "100000", "--runs-dir", str(d),
+                           "--name", "x"], 2, rf"No space left on device \(writing the metrics file\): {d}/x/metrics")
+
+
+# ---------------------------------------------------------------------- limits and processes
+def _beating(comm, steps):
+    from sparsync.launch import progress
+
+    for _ in range(steps):
+        comm.allreduce(torch.ones(8))
+        progress()
+        time.sleep(0.02)
+    return steps
+
+
+def _stuck(comm):
+    from sparsync.launch import progress
+
+    for i in range(1_000_000):
+        if comm.rank == 1 and i == 5:
+            time.sleep(3600)
+        comm.allreduce(torch.ones(8))
+        progress()
+
+
+@case("process", "stall timeout 2 s: a run that keeps progressing for 8 s")
+def _stall_progress():
+    from sparsync.launch import run_local
+
+    t0 = time.monotonic()
+    try:
+        run_local(_beating, 2, 400, backend="gloo", timeout=2.0)
+    except Exception as e:  # noqa: BLE001
+        return "silent wrong", f"stopped although progressing: {type(e).__name__}: {str(e)[:150]}"
+    return "recovers", f"completed in {time.monotonic() - t0:.1f} s (--timeout counts no progressing time)"
+
+
+@case("process", "stall timeout 2 s: rank 1 stops making progress")
+def _stall_stuck():
+    from sparsync.launch import RankFailed, run_local
+
+    t0 = time.monotonic()
+    out = _expect_error(lambda: run_local(_stuck, 2, backend="gloo", timeout=2.0), RankFailed,
+                        r"rank 1 of 2 made no progress for 2 s \(the stall timeout")
+    return out[0], out[1] + f" (after {time.monotonic() - t0:.1f} s)"
+
+
+@case("process", "`--workers 300`, `--workers 1e12` (loopback)")
+def _many_workers():
+    runs = Path(_TMP) / "many"
+    stores = set(glob.glob(os.path.join(tempfile.gettempdir(), "sparsync-store-*")))
+    outs = [_main(["train", "--workload", "digits-mlp", "--workers", w, "--steps", "2", "--no-progress",
+                   "--runs-dir", str(runs)]) for w in ("300", "1e12")]
+    leaked = set(glob.glob(os.path.join(tempfile.gettempdir(), "sparsync-store-*"))) - stores
+    if runs.exists() or leaked:
+        return "silent wrong", f"created {runs.exists()}, stores leaked {sorted(leaked)}"
+    if all(rc == 2 and len(e.splitlines()) == 1 and "local ranks fit here" in e for rc, e in outs):
+        return "clean error", f"exit 2: {outs[0][1]}; nothing forked or created"
+    return "unclear error", "; ".join(f"exit {rc}: {e[-150:]}" for rc, e in outs)
+
+
+@case("process", "kill -9 while the emulated cluster is being built (8 ranks)", limit=180)
+def _kill_build():
+    from sparsync.cluster import PREFIX, _delete_namespaces, list_namespaces, netns_unavailable_reason
+
+    reason = netns_unavailable_reason()
+    if reason:
+        return "not tried", reason
+    code = "import time; from sparsync.cluster import EmulatedCluster; EmulatedCluster(8, bandwidth='1gbit').start()"
+    p = subprocess.Popen([sys.executable, "-c", code + "; time.sleep(60)"])
+    mine = f"{PREFIX}{p.pid}s"
+    try:
+        end = time.monotonic() + 120
+        while not any(n.startswith(mine) for n in list_namespaces()):
+            if p.poll() is not None or time.monotonic() > end:
+                return "unclear error", "the build never started"
+            time.sleep(0.005)
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        t0 = time.monotonic()
+        while (left := [n for n in list_namespaces() if n.startswith(mine)]) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    if left:
+        _delete_namespaces(left)
+        return "silent wrong", f"{len(left)} namespaces left after 10 s"
+    return "recovers", f"killed at the first namespace; none left {time.monotonic() - t0:.1f} s later"
+
+
+def _torchrun(*args, name, max_restarts=0):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--nproc-per-node", "2", "--max-restarts", str(max_restarts), "--monitor-interval", "0.2",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "sparsync.cli", "train",
+            "--workload", "digits-mlp", "--workload-option", "width=16", "--reducer", "micro", "--no-progress",
+            "--runs-dir", _TMP, "--name", name, *args]
+
+
+@case("process", "kill -9 of the torchrun agent (2 workers)", limit=300)
+def _kill_agent():
+    metrics = Path(_TMP) / "agent" / "metrics.jsonl"
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    p = subprocess.Popen(_torchrun("--steps", "100000", "--eval-every", "100000", name="agent"), env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    end = time.monotonic() + 240
+    while time.monotonic() < end and p.poll() is None:
+        with contextlib.suppress(OSError):
+            if len(metrics.read_text().splitlines()) >= 4:
+                break
+        time.sleep(0.05)
+    workers = [q for q in descendants(p.pid) if _env_has(q, b"RANK=")]
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    t0 = time.monotonic()
+    while any(alive(q) for q in workers) and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    left = [q for q in workers if alive(q)]
+    for q in left:
+        os.kill(q, signal.SIGKILL)
+    if left or len(workers) != 2:
+        return "silent wrong", f"workers {workers}, alive 5 s after the agent died: {left}"
+    return "recovers", f"both workers gone {time.monotonic() - t0:.2f} s after the agent died (parent-death watch)"
+
+
+def _env_has(pid: int, prefix: bytes) -> bool:
+    try:
+        return any(kv.startswith(prefix) for kv in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+    except OSError:
+        return False
+
+
+@case("process", "torchrun `--max-restarts 1` on an existing run without `--force`", limit=300)
+def _restart_refusal():
+    from sparsync.train.runs import is_run
+
+    _main(["train", *_SMALL, "--steps", "2", "--runs-dir", _TMP, "--name", "taken"])
+    target = Path(_TMP) / "taken"
+    before = _tree(target)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    p = subprocess.run(_torchrun("--steps", "4", name="taken", max_restarts=1), env=env, capture_output=True,
+                       text=True, timeout=280)
+    if _tree(target) != before or not is_run(target):
+        return "silent wrong", "the restart took the existing run over"
+    n = p.stderr.count("already exists; pass --force to overwrite it")
+    if p.returncode != 0 and n >= 2:
+        return "clean error", f"attempt 0 and the restart both refuse (RunExists, {n} lines); the run is untouched"
+    return "unclear error", f"exit {p.returncode}: {p.stderr[-300:]}"
+
+
+# ---------------------------------------------------------------------- values
+@case("bad input", "a crafted SparseDDP checkpoint loaded as the README teaches (`weights_only=True`)")
+def _readme_load():
+    import pickle
+
+    path, marker = Path(_TMP) / "ckpt.pt", Path(_TMP) / "pwned-readme"
+    torch.save({"model": {"_extra_state": _Evil(str(marker))}}, path)
+    try:
+        torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"unsupported GLOBAL \S+", str(e))
+        if marker.exists():
+            return "silent wrong", "the payload ran"
+        if found:
+            return "clean error", f"UnpicklingError: ... Trying to load {found.group(0)} ... (payload not run)"
+        return "unclear error", str(e)[:200]
+    return "silent wrong", "loaded"
+
+
+@case("bad input", "a finite gradient (3e38 on rank 1) that overflows the residual, every reducer with one")
+def _residual_overflow():
+    from sparsync.reducers.registry import load_all, make_reducer
+
+    from sparsync import native
+
+    bad = []
+    for name, off in [(n, off) for n in sorted(load_all()) for off in (False, True)]:
+        if name in ("dense", "s2"):  # dense keeps no residual; s2: the next row
+            continue
+
+        def w(comm, name=name):
+            r = make_reducer(name, comm, 0.05)
+            for step in range(6):
+                g = torch.randn(4096, generator=torch.Generator().manual_seed(10 * step + comm.rank))
+                out = r.reduce(3e38 * torch.sign(g) if comm.rank == 1 else g)
+                if not torch.isfinite(out).all() or (r.residual is not None and not torch.isfinite(r.residual).all()):
+                    return "non-finite, no error"
+            return "ok"
+
+        try:
+            with native.switched_off() if off else contextlib.nullcontext():
+                res = _thread(w)
+            if not (name == "hard_threshold" and res[1] == "ok"):  # it sends every large entry: nothing overflows
+                bad.append(f"{name}: {res[1]}")
+        except FloatingPointError as e:
+            if "residual overflowed" not in str(e):
+                bad.append(f"{name}: {str(e)[:80]}")
+    if bad:
+        return "silent wrong", "; ".join(bad)
+    return "clean error", ("FloatingPointError 'rank 1: <reducer>.reduce: the error-feedback residual overflowed at "
+                           "step 1: gradient + residual is Inf/NaN in ~1970 of 4096 entries although the gradient "
+                           "is finite ...' (C and torch kernels; hard_threshold sends every such entry)")
+
+
+@case("bad input", "a finite gradient of 3e38 on rank 1 under s2 (its count sketch sums entries per cell)")
+def _s2_sketch():
+    from sparsync.reducers.registry import make_reducer
+
+    def w(comm):
+        r = make_reducer("s2", comm, 0.05)
+        g = torch.randn(4096, generator=torch.Generator().manual_seed(comm.rank))
+        out = r.reduce(3e38 * torch.sign(g) if comm.rank == 1 else g)
+        return bool(torch.isfinite(out).all())
+
+    try:
+        finite = _thread(w)
+    except FloatingPointError as e:
+        if "sketch overflowed" in str(e):
+            return "clean error", f"FloatingPointError: {str(e)[:200]}"
+        return "unclear error", f"FloatingPointError: {str(e)[:200]}"
+    return ("recovers", "output finite") if all(finite) else ("silent wrong", "the sketch table overflows: Inf out")
+
+
+_TL = ["train-linear", "--backend", "thread", "--workers", "2", "--epochs", "1", "--samples", "400", "--features",
+       "1000", "--nnz", "5"]
+
+for _argv, _pattern in ((["--lr", "nan"], r"--lr must be a finite number"),
+                        (["--lr", "-1"], r"--lr must be a finite number in \(0, inf\]"),
+                        (["--l2", "nan"], r"--l2 must be a finite number"),
+                        (["--global-batch", "0"], r"--global-batch: expected a positive integer")):
+    case("bad input", f"`sparsync train-linear {' '.join(_argv)}`")(
+        lambda a=_argv, p=_pattern: _main_case([*_TL, *a], 2, p))
+
+
+def _svm_case(text, pattern):
+    f = Path(_TMP) / "data.svm"
+    f.write_text(text)
+    return _main_case(["train-linear", "--backend", "thread", "--workers", "2", "--epochs", "1", "--test-fraction",
+                       "0", "--data", str(f)], 2, pattern)
+
+
+for _what, _text, _pattern in (
+        ("a feature value 1e39 (beyond float32)", "1 1:0.5 2:1e39\n-1 3:1\n", r"beyond float32's range"),
+        ("a feature index of 10^12", "1 1:0.5\n-1 1000000000000:1\n", r"not even one rank fits here"),
+        ("a malformed line", "1 1:0.5\n-1 x:1\n", r"data.svm:2: feature 'x:1' is not of the form")):
+    case("bad input", f"`sparsync train-linear --data FILE` with {_what}")(
+        lambda t=_text, p=_pattern: _svm_case(t, p))
+
+_LOOP = ["train", "--workload", "digits-mlp", "--workers", "2", "--reducer", "micro", "--steps", "2", "--no-progress"]
+for _argv, _pattern in ((["--bandwidth", "1e30gbit"], r"bandwidth must be at most 1000gbit"),
+                        (["--bandwidth", "1bit"], r"bandwidth must be at least 8kbit"),
+                        (["--seed", str(2**70)], r"--seed must be an integer in \[0, 2147483647\]"),
+                        (["--workload-option", "width=-5"], r"width must be at least 1"),
+                        (["--workload-option", "width=0"], r"width must be at least 1"),
+                        (["--workload-option", "width=abc"], r"width='abc': expected an integer"),
+                        (["--workload-option", "width=1e9"], r"not even one rank fits here, by the available memory"),
+                        (["--ddp-option", "nonfinite=bogus"], r"--ddp-option: nonfinite must be"),
+                        (["--batch-size", "1e9"], r"by the available memory .*lower --batch-size"),
+                        (["--checkpoint-every", "-1"], r"--checkpoint-every must be an integer >= 0")):
+    case("bad input", f"`sparsync train {' '.join(_argv)}`")(
+        lambda a=_argv, p=_pattern: _main_case(
+            [*_LOOP, *a, "--runs-dir", str(Path(_TMP) / "values")], 2, p,
+            lambda: "a run directory was created" if (Path(_TMP) / "values").exists() else None))
+
+
+# ---------------------------------------------------------------------- security
+_PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("planted code ran", f); fclose(f); }
+}
+"""
+
+_LOAD_AS_CHECKOUT = """
+import sys
+from pathlib import Path
+from sparsync.native import loader
+loader.PACKAGE_DIR = Path(sys.argv[1])  # no packaged library: the cache is where the kernels would come from
+from sparsync import native
+print(native.info())
+"""
+
+
+@case("security", "a .so planted in the fallback cache by another user is not loaded")
+def _planted_kernels():
+    from sparsync.native import build
+
+    if os.geteuid() != 0:
+        return "not tried", "needs root to chown the planted library to another user"
+    d = Path(_TMP) / "planted"
+    d.mkdir()
+    marker, src = d / "RAN", d / "planted.c"
+    src.write_text(build.SOURCE.read_text() + _PLANTED)  # a real build of the kernels, plus a constructor
+    lib = d / "planted.so"
+    defines = [f'-DMARKER="{marker}"', f'-DSPARSYNC_SOURCE_SHA="{build.source_sha()}"']
+    subprocess.run(build.compiler() + ["-O0", "-fPIC", "-shared", *defines, "-o", str(lib), str(src), "-lm"],
+                   check=True, capture_output=True, timeout=120)
+    cache, tmpdir, empty = d / "cache", d / "tmp", d / "no-package"
+    for where in (cache / "native", tmpdir / f"sparsync-native-{os.getuid()}", empty):
+        where.mkdir(parents=True)
+    planted = cache / "native" / build.cache_name()
+    for dest in (planted, tmpdir / f"sparsync-native-{os.getuid()}" / build.cache_name()):
+        dest.write_bytes(lib.read_bytes())
+        os.chown(dest, 12345, 12345)
+    results = []
+    for env in ({"SPARSYNC_CACHE": str(cache)}, {"SPARSYNC_CACHE": "/proc/x", "TMPDIR": str(tmpdir)}):
+        out = subprocess.run([sys.executable, "-c", _LOAD_AS_CHECKOUT, str(empty)], capture_output=True, text=True,
+                             env=dict(os.environ, SPARSYNC_NATIVE="1", **env), timeout=120)
+        results.append((out.returncode, out.stdout + out.stderr))
+    if marker.exists():
+        return "silent wrong", "the planted library ran"
+    (rc1, text1), (rc2, text2) = results
+    if (rc1 == 0 and "could have been written by another user (owner uid 12345" in text1
+            and rc2 == 0 and "'enabled': True" in text2 and "private temporary build" in text2):
+        return "clean error", ("in the cache: refused, one warning 'could have been written by another user (owner "
+                               "uid 12345 ...)', torch kernels; SPARSYNC_CACHE=/proc/x, one at the old $TMPDIR "
+                               "fallback: built privately; the planted code never ran")
+    return "unclear error", f"rc {rc1}: {text1[-150:]} / rc {rc2}: {text2[-150:]}"
+
+
+# ---------------------------------------------------------------------- driver
+_TMP = ""
+
+
+def run_cases(only: str | None = None) -> list[tuple[str, str, str, str]]:
+    global _TMP
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="sparsync-reliability-") as tmp:
+        _TMP = tmp
+        for kind, what, limit, fn in CASES:
+            if only and only not in what:
+                continue
+            box: dict = {}
+
+            def target(fn=fn, box=box):
+                try:
+                    box["out"] = fn()
+                except BaseException as e:  # noqa: BLE001 - an unexpected error is an outcome too
+                    box["out"] = ("unclear error", f"{type(e).__name__}: {str(e).strip()[:200]}")
+
+            t = threading.Thread(target=target, daemon=True)
+            t0 = time.monotonic()
+            t.start()
+            t.join(limit)
+            outcome, detail = box.get("out", ("hang", f"no answer within {limit:.0f} s"))
+            detail = detail.replace(tmp, "<tmp>").replace("|", "\\|").replace("\n", " ")
+            rows.append((kind, what, outcome, detail if len(detail) <= 240 else detail[:237] + "..."))
+            print(f"[{time.monotonic() - t0:5.1f}s] {outcome:13s} {what}", file=sys.stderr)
+    return rows
+
+
+def nonfinite_cost(n: int = 10_000_000, reps: int = 20) -> str:
+    """Markdown table: the non-finite check of ``Reducer.reduce`` vs the passes around it, at ``n``."""
+    x, r = torch.randn(n), torch.randn(n)
+
+    def med(fn):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[reps // 2] * 1e3
+
+    acc = med(lambda: x + r)
+    rows = [("`grad + residual` (every error-feedback reducer makes it anyway)", acc),
+            ("`torch.isfinite(grad).all()` (allocates an n-byte mask)", med(lambda: bool(torch.isfinite(x).all()))),
+            ("**`torch.isfinite(grad.sum())` (what `reduce` does)**", med(lambda: bool(torch.isfinite(x.sum()))))]
+    out = [f"| pass over n = {n:.0e} float32 | ms | vs `grad + residual` |", "|---|---|---|"]
+    out += [f"| {w} | {t:.2f} | {t / acc:.2f}x |" for w, t in rows]
+    return "\n".join(out)
+
+
+def _replace(path: Path, marker: str, text: str) -> None:
+    old = path.read_text() if path.exists() else f"<!-- {marker} -->\n<!-- /{marker} -->\n"
+    path.write_text(re.sub(rf"<!-- {marker} -->.*?<!-- /{marker} -->",
+                           lambda _: f"<!-- {marker} -->\n{text}\n<!-- /{marker} -->", old, flags=re.S))
+
+
+def table(rows) -> str:
+    return format_table([{"kind": k, "case": w, "outcome": f"**{o}**", "what": d} for k, w, o, d in rows],
+                        [("kind", "kind"), ("case", "case"), ("outcome", "outcome"), ("what", "what happened")],
+                        markdown=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python tools/reliability.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, help="markdown file whose <!-- table --> section is replaced")
+    ap.add_argument("--only", default=None, help="run the cases whose description contains this text")
+    ap.add_argument("--cost", action="store_true", help="measure the non-finite check instead (<!-- cost -->)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.cost:
+        text = nonfinite_cost()
+        if args.out:
+            _replace(Path(args.out), "cost", text)
+        print(text)
+        return 0
+    rows = run_cases(args.only)
+    text = table(rows)
+    if args.out:
+        _replace(Path(args.out), "table", text)
+    print(text)
+    bad = [r for r in rows if r[2] in ("silent wrong", "hang", "unclear error")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
