@@ -11,6 +11,7 @@ import sparsync as ss
 from sparsync.reducers.registry import load_all
 
 MERGES = ["single", "wfbp", "buckets:0.002", "optimal", "mgwfbp"]
+SPARSE_RUNS = [("topka", "buckets:0.002"), ("topka", "mgwfbp"), ("micro", "wfbp"), ("micro", "optimal")]
 
 
 def _model(seed):
@@ -61,6 +62,20 @@ def _suite(comm):
         out[f"plan/{merge}"] = ddp.groups
         ddp.close()
     out["max_abs_diff_vs_ddp"] = worst
+    # 2. sparse reducers through SparseDDP under fixed and switching plans (topka: dense write-back;
+    #    micro: the indexed write-back that clears only last step's non-zeros), from rank-dependent
+    #    initial parameters: after SGD steps (past the plan switch) parameters are bitwise identical
+    for name, merge in SPARSE_RUNS:
+        m = _model(comm.rank + 50)
+        ddp = ss.SparseDDP(m, comm, reducer=name, density=0.1, merge=merge, profile_warmup=1, profile_steps=2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+        for step in range(5):
+            x, y = _batch(comm.rank, step)
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        out[f"params/{name}/{merge}"] = _flat_params(m)
+        ddp.close()
     # 3. torch DDP + ss.ddp_hook: dense hook == default DDP; topka hook keeps ranks identical
     m1 = nn.parallel.DistributedDataParallel(copy.deepcopy(ref.module))
     m1.register_comm_hook(None, ss.ddp_hook("dense"))
@@ -155,12 +170,14 @@ def test_every_reducer_keeps_ranks_identical_thread_p3():
 def test_sparseddp_gloo_suite(P):
     res = ss.run_local(_suite, P, backend="gloo", timeout=120)
     assert res[0]["max_abs_diff_vs_ddp"] < 1e-6
-    for key in res[0]:
-        if key.startswith(("params/", "hook_params")):
-            for r in range(1, P):
-                assert torch.equal(res[0][key], res[r][key]), f"{key} differs between rank 0 and rank {r}"
-        if key.startswith("plan/"):
-            assert all(r[key] == res[0][key] for r in res), f"{key}: ranks chose different plans"
+    bitwise = [f"params/{name}/{merge}" for name, merge in SPARSE_RUNS] + ["hook_params"]
+    plans = [f"plan/{merge}" for merge in MERGES]
+    assert sorted(res[0]) == sorted(bitwise + plans + ["max_abs_diff_vs_ddp"])  # every check below runs
+    for key in bitwise:
+        for r in range(1, P):
+            assert torch.equal(res[0][key], res[r][key]), f"{key} differs between rank 0 and rank {r}"
+    for key in plans:
+        assert all(r[key] == res[0][key] for r in res), f"{key}: ranks chose different plans"
     assert len(res[0]["plan/wfbp"]) == 8 and len(res[0]["plan/single"]) == 1
 
 
