@@ -33,6 +33,15 @@ def _flat_grads(m):
     return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
 
 
+def _sgd_steps(net, opt, rank, steps, start=0):
+    """``steps`` optimizer steps of ``net`` (a SparseDDP or DDP model) on this rank's batches."""
+    for step in range(start, start + steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+
+
 def _suite(comm):
     """Everything that needs one gloo world of this size, batched into one set of processes."""
     import torch.distributed as dist
@@ -68,12 +77,7 @@ def _suite(comm):
     for name, merge in SPARSE_RUNS:
         m = _model(comm.rank + 50)
         ddp = ss.SparseDDP(m, comm, reducer=name, density=0.1, merge=merge, profile_warmup=1, profile_steps=2)
-        opt = torch.optim.SGD(m.parameters(), lr=0.05)
-        for step in range(5):
-            x, y = _batch(comm.rank, step)
-            opt.zero_grad()
-            nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
+        _sgd_steps(ddp, torch.optim.SGD(m.parameters(), lr=0.05), comm.rank, 5)
         out[f"params/{name}/{merge}"] = _flat_params(m)
         ddp.close()
     # 3. torch DDP + ss.ddp_hook: dense hook == default DDP; topka hook keeps ranks identical
@@ -88,11 +92,7 @@ def _suite(comm):
     hook = ss.ddp_hook("topka", density=0.2, module=m2)
     m2.register_comm_hook(None, hook)
     opt = torch.optim.SGD(m2.parameters(), lr=0.05)
-    for step in range(5):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(m2(x), y).backward()
-        opt.step()
+    _sgd_steps(m2, opt, comm.rank, 5)
     hs = copy.deepcopy(hook.state_dict())
     assert hs["buckets"] and all(b["state"]["residual"] is not None for b in hs["buckets"].values())
     assert sorted(hs["per_param"]) == list(range(len(list(m2.parameters()))))
@@ -116,12 +116,7 @@ def _suite(comm):
 def _every_reducer(comm, name):
     m = _model(comm.rank)
     ddp = ss.SparseDDP(m, comm, reducer=name, density=0.1, merge="buckets:0.002")
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for step in range(20):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    _sgd_steps(ddp, torch.optim.SGD(m.parameters(), lr=0.05), comm.rank, 20)
     out = {"params": _flat_params(m), "density": ddp.last_stats["density"], "groups": ddp.last_stats["groups"]}
     ddp.close()
     return out
@@ -189,11 +184,7 @@ def _train(comm, name, steps, start=0, ckpt=None, merge="buckets:0.002"):
     if ckpt is not None:
         ddp.load_state_dict(ckpt["ddp"])
         opt.load_state_dict(ckpt["opt"])
-    for step in range(start, start + steps):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    _sgd_steps(ddp, opt, comm.rank, steps, start)
     state = {"ddp": copy.deepcopy(ddp.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     ddp.close()
     return state
