@@ -11,6 +11,7 @@ import sparsync as ss
 from sparsync.reducers.registry import load_all
 
 MERGES = ["single", "wfbp", "buckets:0.002", "optimal", "mgwfbp"]
+SPARSE_RUNS = [("topka", "buckets:0.002"), ("topka", "mgwfbp"), ("micro", "wfbp"), ("micro", "optimal")]
 
 
 def _model(seed):
@@ -30,6 +31,15 @@ def _flat_params(m):
 
 def _flat_grads(m):
     return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+
+def _sgd_steps(net, opt, rank, steps, start=0):
+    """``steps`` optimizer steps of ``net`` (a SparseDDP or DDP model) on this rank's batches."""
+    for step in range(start, start + steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
 
 
 def _suite(comm):
@@ -61,6 +71,15 @@ def _suite(comm):
         out[f"plan/{merge}"] = ddp.groups
         ddp.close()
     out["max_abs_diff_vs_ddp"] = worst
+    # 2. sparse reducers through SparseDDP under fixed and switching plans (topka: dense write-back;
+    #    micro: the indexed write-back that clears only last step's non-zeros), from rank-dependent
+    #    initial parameters: after SGD steps (past the plan switch) parameters are bitwise identical
+    for name, merge in SPARSE_RUNS:
+        m = _model(comm.rank + 50)
+        ddp = ss.SparseDDP(m, comm, reducer=name, density=0.1, merge=merge, profile_warmup=1, profile_steps=2)
+        _sgd_steps(ddp, torch.optim.SGD(m.parameters(), lr=0.05), comm.rank, 5)
+        out[f"params/{name}/{merge}"] = _flat_params(m)
+        ddp.close()
     # 3. torch DDP + ss.ddp_hook: dense hook == default DDP; topka hook keeps ranks identical
     m1 = nn.parallel.DistributedDataParallel(copy.deepcopy(ref.module))
     m1.register_comm_hook(None, ss.ddp_hook("dense"))
@@ -73,11 +92,7 @@ def _suite(comm):
     hook = ss.ddp_hook("topka", density=0.2, module=m2)
     m2.register_comm_hook(None, hook)
     opt = torch.optim.SGD(m2.parameters(), lr=0.05)
-    for step in range(5):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(m2(x), y).backward()
-        opt.step()
+    _sgd_steps(m2, opt, comm.rank, 5)
     hs = copy.deepcopy(hook.state_dict())
     assert hs["buckets"] and all(b["state"]["residual"] is not None for b in hs["buckets"].values())
     assert sorted(hs["per_param"]) == list(range(len(list(m2.parameters()))))
@@ -101,12 +116,7 @@ def _suite(comm):
 def _every_reducer(comm, name):
     m = _model(comm.rank)
     ddp = ss.SparseDDP(m, comm, reducer=name, density=0.1, merge="buckets:0.002")
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for step in range(20):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    _sgd_steps(ddp, torch.optim.SGD(m.parameters(), lr=0.05), comm.rank, 20)
     out = {"params": _flat_params(m), "density": ddp.last_stats["density"], "groups": ddp.last_stats["groups"]}
     ddp.close()
     return out
@@ -155,12 +165,14 @@ def test_every_reducer_keeps_ranks_identical_thread_p3():
 def test_sparseddp_gloo_suite(P):
     res = ss.run_local(_suite, P, backend="gloo", timeout=120)
     assert res[0]["max_abs_diff_vs_ddp"] < 1e-6
-    for key in res[0]:
-        if key.startswith(("params/", "hook_params")):
-            for r in range(1, P):
-                assert torch.equal(res[0][key], res[r][key]), f"{key} differs between rank 0 and rank {r}"
-        if key.startswith("plan/"):
-            assert all(r[key] == res[0][key] for r in res), f"{key}: ranks chose different plans"
+    bitwise = [f"params/{name}/{merge}" for name, merge in SPARSE_RUNS] + ["hook_params"]
+    plans = [f"plan/{merge}" for merge in MERGES]
+    assert sorted(res[0]) == sorted(bitwise + plans + ["max_abs_diff_vs_ddp"])  # every check below runs
+    for key in bitwise:
+        for r in range(1, P):
+            assert torch.equal(res[0][key], res[r][key]), f"{key} differs between rank 0 and rank {r}"
+    for key in plans:
+        assert all(r[key] == res[0][key] for r in res), f"{key}: ranks chose different plans"
     assert len(res[0]["plan/wfbp"]) == 8 and len(res[0]["plan/single"]) == 1
 
 
@@ -172,11 +184,7 @@ def _train(comm, name, steps, start=0, ckpt=None, merge="buckets:0.002"):
     if ckpt is not None:
         ddp.load_state_dict(ckpt["ddp"])
         opt.load_state_dict(ckpt["opt"])
-    for step in range(start, start + steps):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    _sgd_steps(ddp, opt, comm.rank, steps, start)
     state = {"ddp": copy.deepcopy(ddp.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
     ddp.close()
     return state

@@ -68,6 +68,65 @@ def test_ties_follow_the_documented_rule(values, paths):
             assert torch.equal(topk_indices(x.clone(), k), got)  # deterministic
 
 
+def _edges(n: int) -> list[int]:
+    """Positions where the kernel's pieces meet: the first and last index, the C pass's 64-element
+    groups (and the remainder after the last whole group), the torch pass's 64-bit words and tiles."""
+    per = -(-n // exact.CHUNK)
+    step = -(-n // per)  # the torch pass's tile length (``_tiles``)
+    last64 = n // 64 * 64  # first index of the remainder after the last whole 64-element group
+    cuts = [0, 1, 63, 64, 65, 127, 128, last64 - 64, last64 - 1, last64, n - 65, n - 64, n - 63, n - 2, n - 1,
+            step - 1, step, n - step, n - step - 1]
+    return sorted({c for c in cuts if 0 <= c < n})
+
+
+@pytest.mark.parametrize("n", [1 << 16, (1 << 16) + 1, (1 << 16) + 63, 40_001, 100_003])
+def test_winners_at_the_last_index_and_at_64_element_boundaries(n, paths):
+    # a small background and large entries exactly where the compaction's pieces meet: whatever
+    # the sample sees, every one of them must be chosen (distinct magnitudes), and among equal
+    # magnitudes there the lowest indices win (ties cut by k inside the planted group)
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g) * 1e-2
+    edges = torch.tensor(_edges(n))
+    e = edges.numel()
+    sign = 1.0 - 2.0 * (torch.arange(e) % 2)
+    x[edges] = sign * (1.0 + torch.arange(e, dtype=torch.float32).flip(0))
+    for k in sorted({1, 2, e // 2, e - 1, e, e + 1, n // 100, n // 9}):
+        got = topk_indices(x, k)
+        assert torch.equal(got, oracle(x, k)), (n, k)
+        if k >= e:
+            assert set(edges.tolist()) <= set(got.tolist()), (n, k)
+    assert topk_indices(x, 1).tolist() == [edges[0].item()] and n - 1 in topk_indices(x, e).tolist()
+    x[edges] = sign * 2.0  # ties: the cut falls inside the planted group; the lowest indices win
+    for k in sorted({1, e // 2, e - 1, e, n // 100}):
+        got = topk_indices(x, k)
+        assert torch.equal(got, oracle(x, k)), ("ties", n, k)
+        if k <= e:
+            assert got.tolist() == edges[:k].tolist(), ("ties", n, k)
+        else:
+            assert set(edges.tolist()) <= set(got.tolist()), ("ties", n, k)
+    x.zero_()  # only the last index is non-zero: found by every path
+    x[n - 1] = -5.0
+    assert topk_indices(x, 1).tolist() == [n - 1]
+    assert topk_indices(x, max(1, n // 100)).tolist()[-1] == n - 1
+
+
+def test_rows_with_winners_at_row_ends_and_64_element_boundaries(paths):
+    # the C pass runs per row (its 64-element groups restart at every row): plant at each row's
+    # first and last column and at 64-multiples inside, with a row length that is not one
+    m, bs = 3, 40_007
+    X = torch.randn(m, bs, generator=torch.Generator().manual_seed(4)) * 1e-2
+    cols = torch.tensor([0, 63, 64, 127, 128, bs // 64 * 64 - 1, bs // 64 * 64, bs - 2, bs - 1])
+    for i in range(m):
+        X[i, cols] = (3.0 + i) * (1.0 + torch.arange(cols.numel(), dtype=torch.float32))
+    for k in (cols.numel(), bs // 100):
+        got = topk_rows(X, k)
+        assert torch.equal(got, torch.stack([oracle(X[i], k) for i in range(m)])), k
+        assert all(set(cols.tolist()) <= set(row.tolist()) for row in got), k
+    X[:, cols] = 7.0  # ties at the boundaries in every row: the lowest columns win
+    got = topk_rows(X, 4)
+    assert got.tolist() == [cols[:4].tolist()] * m
+
+
 def test_all_zero_and_mostly_zero_inputs(paths):
     z = torch.zeros(70_000)
     assert torch.equal(topk_indices(z, 700), torch.arange(700))

@@ -523,8 +523,7 @@ class Comm(ABC):
         if indices.numel() != values.numel():
             raise CommError(f"sparse_allreduce_coo: {indices.numel()} indices but {values.numel()} values")
         P = self.world_size
-        with self.unrecorded():
-            counts = self._allgather(torch.tensor([indices.numel()], dtype=torch.int64, device=self.device))
+        counts = self.allgather_control(torch.tensor([indices.numel()], dtype=torch.int64, device=self.device))
         m = max(int(c[0]) for c in counts)
         out = self._sparse_allreduce(indices, values, int(numel))
         nb = (P - 1) * m * (8 + values.element_size())
@@ -536,10 +535,16 @@ class Comm(ABC):
     def barrier(self) -> None:
         self._barrier()
 
+    def allgather_control(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's small control tensor (counts, set-up checks; the same size on every rank),
+        in rank order, as control traffic: nothing enters the ledger and no transfer time is
+        charged to a virtual clock - it validates a call, it is not the payload."""
+        with self.unrecorded():
+            return self._allgather(t)
+
     def check_same(self, value: int, what: str) -> None:
         """Raise on every rank if ``value`` differs across ranks (unrecorded control traffic)."""
-        with self.unrecorded():
-            vals = self._allgather(torch.tensor([int(value)], dtype=torch.int64, device=self.device))
+        vals = self.allgather_control(torch.tensor([int(value)], dtype=torch.int64, device=self.device))
         vals = [int(v[0]) for v in vals]
         if len(set(vals)) > 1:
             raise ValueError(f"{what} differs across ranks: " + ", ".join(

@@ -10,12 +10,19 @@ caller always gets an alias (``buf.view(-1)``), so while it, or any view or ``nu
 is alive the storage's reference count is above the pool's own. A tensor the caller still holds is
 never overwritten.
 
+Reference counts: torch has no public API for a storage's use count; the private
+``torch._C._storage_Use_Count`` is read in one place (:func:`_storage_use_count`). Where it fails
+(an older or newer torch without it), nothing is recycled - results stay correct, every call
+allocates afresh - and a ``RuntimeWarning`` naming the reason is issued once per process.
+
 Zero fill: from :data:`STREAM_MIN_BYTES` on a CPU buffer is zeroed by streaming stores
 (:func:`sparsync.native.zero_`: half the memory traffic of ``zero_``; 25.6M fp32 on one thread 2.8
 vs 8.2 ms); smaller ones, which the caches hold for the writes that follow, by ``zero_``.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -36,11 +43,23 @@ def fill_zero(buf: torch.Tensor) -> torch.Tensor:
     return buf.zero_()
 
 
+#: set once the fallback was announced (a process-wide one-shot: the warning, not the decision)
+_warned = False
+
+
 def _storage_use_count(t: torch.Tensor) -> int | None:
-    """References to ``t``'s storage (tensors, views, aliases); None when torch cannot tell."""
+    """References to ``t``'s storage (tensors, views, aliases); None when torch cannot tell, and
+    then a ``RuntimeWarning`` once per process: buffers are no longer recycled (slower, still correct)."""
     try:
         return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-    except Exception:  # noqa: BLE001 - private API: without it, never recycle
+    except Exception as e:  # noqa: BLE001 - private API: without it, never recycle
+        global _warned
+        if not _warned:
+            _warned = True
+            warnings.warn(f"sparsync: result buffers are not recycled, every reduction allocates its output "
+                          f"afresh (slower for large gradients, results unchanged): torch's storage use "
+                          f"count is unavailable (torch._C._storage_Use_Count: {type(e).__name__}: {e})",
+                          RuntimeWarning, stacklevel=3)
         return None
 
 

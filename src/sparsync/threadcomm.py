@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -244,6 +244,3 @@ class ThreadComm(Comm):
     def _barrier(self) -> None:
         self._collective("barrier", None, lambda v: None)
 
-
-def thread_comms(world_size: int, alpha: float = 0.0, beta: float = 0.0, timeout: float = 60.0) -> Sequence[ThreadComm]:
-    return ThreadWorld(world_size, alpha, beta, timeout).comms()

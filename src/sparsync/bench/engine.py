@@ -28,8 +28,6 @@ import time
 import torch
 from torch import nn
 
-from ..train.workloads import make_workload, workload_names
-
 __all__ = ["MODELS", "build", "main", "run_benchmark"]
 
 
@@ -63,6 +61,8 @@ def _tower(batch_size):
 
 def _workload(name):
     def make(batch_size):
+        from ..train.workloads import make_workload  # train sits above bench: imported when a model is built
+
         wl = make_workload(name)
         model = wl.build()
 
@@ -74,10 +74,7 @@ def _workload(name):
     return make
 
 
-MODELS = {"tower": _tower}
-for _n in workload_names():
-    if _n in ("digits-mlp", "digits-cnn"):
-        MODELS[_n] = _workload(_n)
+MODELS = {"tower": _tower, "digits-mlp": _workload("digits-mlp"), "digits-cnn": _workload("digits-cnn")}
 
 
 def build(name: str, batch_size: int = 64, seed: int = 0):

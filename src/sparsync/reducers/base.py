@@ -413,8 +413,7 @@ class Reducer:
         code = _DTYPES.index(grad.dtype) if grad.dtype in _DTYPES else len(_DTYPES)
         bits = struct.unpack("<q", struct.pack("<d", float(self.density)))[0]
         mine = torch.tensor([grad.numel(), code, bits], dtype=torch.int64, device=self.comm.device)
-        with self.comm.unrecorded():
-            rows = [[int(v) for v in t.reshape(-1).tolist()] for t in self.comm._allgather(mine)]
+        rows = [[int(v) for v in t.reshape(-1).tolist()] for t in self.comm.allgather_control(mine)]
         show = {0: lambda v: str(v),
                 1: lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
                 2: lambda v: f"{struct.unpack('<d', struct.pack('<q', v))[0]:g}"}

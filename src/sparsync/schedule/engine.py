@@ -437,14 +437,12 @@ class OverlapEngine:
             self.after_step()
 
     def _write_back(self, outs):
-        for g, idx in enumerate(self.groups):
+        """``.grad := out / P`` for every group. ``reduce_sparse`` returns a dense sum too, so a
+        parameter on the sparse path gets a dense ``.grad`` (a view of its group's buffer)."""
+        for g in range(len(self.groups)):
             out = outs[g]
             if isinstance(out, IndexedSum):
                 self.buffers.write_indexed(g, out, self.P)
-            elif out.is_sparse:
-                p = self.params[idx[0]]
-                out = out.coalesce() * (1.0 / self.P)
-                p.grad = out.reshape(p.shape) if out.dim() != p.dim() else out
             else:
                 self.buffers.write_average(g, out, self.P)
 

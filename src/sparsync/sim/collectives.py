@@ -30,7 +30,6 @@ compares ledgers.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 
 import torch
@@ -271,6 +270,3 @@ def plot(result: dict, path) -> None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-
-def _fmt_ms(x: float) -> str:
-    return f"{1e3 * x:.3f}" if math.isfinite(x) else "–"

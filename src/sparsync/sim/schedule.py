@@ -33,7 +33,6 @@ from torch import nn
 
 from ..schedule.merge import evaluate, make_plan
 from ..schedule.profiler import profile_module
-from ..train.workloads import make_workload
 
 __all__ = [
     "MODELS",
@@ -144,6 +143,7 @@ def _image_model(blocks):
 
 def _workload_model(name, **opts):
     def make(batch, image=None):
+        from ..train.workloads import make_workload  # train sits above sim: imported when a model is built
 
         wl = make_workload(name, **opts)
         m = wl.build()

@@ -1,0 +1,97 @@
+"""SparseDDP with the dense reducer reducing the ``.grad`` buffer itself (``reducer_options={"inplace": True}``):
+the write-back then divides the reduced buffer by P in place, and ``.grad`` must be the average over ranks -
+the same bits as the copying path, equal to a dense reference and to torch DDP."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import sparsync as ss
+
+MERGES = ["single", "wfbp", "buckets:0.002"]
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _grads(m):
+    return torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+
+
+def _mean_grad(model, P, step):
+    """The dense reference: the average over ranks of every rank's local gradient (computed here)."""
+    total = None
+    for r in range(P):
+        ref = copy.deepcopy(model)
+        x, y = _batch(r, step)
+        nn.functional.mse_loss(ref(x), y).backward()
+        g = _grads(ref)
+        total = g if total is None else total + g
+    return total / P
+
+
+def _inplace_vs_copy(comm, merge, set_to_none, as_view):
+    out = []
+    models = []
+    first = _model(comm.rank + 7)  # rank-dependent: broadcast from rank 0
+    for inplace in (True, False):
+        m = copy.deepcopy(first)  # (thread ranks share torch's global RNG: one init, copied)
+        ddp = ss.SparseDDP(m, comm, reducer="dense", merge=merge, reducer_options={"inplace": inplace},
+                           gradient_as_bucket_view=as_view)
+        models.append((m, ddp, torch.optim.SGD(m.parameters(), lr=0.05)))
+    for step in range(3):
+        want = _mean_grad(models[0][0], comm.world_size, step)
+        got = []
+        for m, ddp, opt in models:
+            opt.zero_grad(set_to_none=set_to_none)
+            x, y = _batch(comm.rank, step)
+            nn.functional.mse_loss(ddp(x), y).backward()
+            got.append(_grads(m))
+            opt.step()
+        inplace, copying = got
+        assert torch.equal(inplace, copying), f"step {step}: in-place differs from the copying dense path"
+        assert torch.allclose(inplace, want, rtol=1e-5, atol=1e-7), (step, (inplace - want).abs().max())
+        out.append(inplace)
+    for _, ddp, _ in models:
+        ddp.close()
+    return out
+
+
+@pytest.mark.parametrize("merge", MERGES)
+@pytest.mark.parametrize("set_to_none,as_view", [(False, True), (True, True), (True, False)],
+                         ids=["views", "fresh-grads", "no-bucket-view"])
+def test_inplace_dense_grad_is_the_average(merge, set_to_none, as_view):
+    res = ss.run_local(_inplace_vs_copy, 3, merge, set_to_none, as_view, backend="thread", timeout=60)
+    for r in res[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(res[0], r))
+
+
+def _against_torch_ddp(comm):
+    ref = nn.parallel.DistributedDataParallel(_model(comm.rank + 7))
+    m = _model(comm.rank + 7)
+    ddp = ss.SparseDDP(m, comm, reducer="dense", merge="wfbp", reducer_options={"inplace": True})
+    worst = 0.0
+    for step in range(3):
+        x, y = _batch(comm.rank, step)
+        for model in (ref, ddp):
+            model.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+        a, b = _grads(m), _grads(ref.module)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (step, (a - b).abs().max())
+        worst = max(worst, float((a - b).abs().max()))
+    ddp.close()
+    return worst
+
+
+@pytest.mark.gloo
+def test_inplace_dense_equals_torch_ddp_gloo():
+    assert max(ss.run_local(_against_torch_ddp, 2, backend="gloo", timeout=120)) < 1e-6
