@@ -208,3 +208,45 @@ def test_compare_rows_take_adam_freeze():
     (c,) = parse_configs("micro:0.01,dense_steps=60,adam_freeze=60", 0.05, "single")
     assert c["train"] == {"adam_freeze": 60} and c["convergence"] == {"dense_steps": 60} and c["options"] == {}
     assert "adam_freeze60" in config_slug(c)
+
+
+def _mlp_run(precondition, steps=12, resume_at=None):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = FrozenVarianceAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, freeze_after=4, precondition=precondition)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(steps)]
+    for t, (x, y) in enumerate(data):
+        if t == resume_at:  # a fresh model + optimizer loaded from the state dicts
+            sd, od = m.state_dict(), opt.state_dict()
+            m = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+            m.load_state_dict(sd)
+            opt = FrozenVarianceAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, freeze_after=4,
+                                      precondition=precondition)
+            opt.load_state_dict(od)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().flatten() for p in m.parameters()]), opt, m
+
+
+def test_preconditioned_exchange_is_the_same_optimizer_with_exact_averaging():
+    """Dividing the gradients by the frozen denominator before they leave (precondition=True) changes
+    nothing when nothing is dropped: the same parameters up to rounding, and the hooks really divide."""
+    a, _, _ = _mlp_run(False)
+    b, opt, m = _mlp_run(True)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-6) and not torch.equal(a, b)
+    p = next(m.parameters())
+    st = opt.state[p]
+    d = (st["exp_avg_sq"].sqrt() / math.sqrt(1 - 0.999 ** 4)).add_(1e-8)
+    x = torch.randn(5, 6)
+    m.zero_grad()
+    m(x).sum().backward()
+    g_scaled = p.grad.clone()
+    for h in opt._hooks:
+        h.remove()
+    m.zero_grad()
+    m(x).sum().backward()
+    assert torch.allclose(g_scaled, p.grad / d)
+    c, _, _ = _mlp_run(True, resume_at=7)  # resumed after the freeze: hooks back, moments not rescaled
+    assert torch.equal(b, c)
