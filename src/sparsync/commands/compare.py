@@ -7,7 +7,7 @@ plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_st
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
 ``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
 option, except ``adam_freeze=N`` (the row's AdamW freezes its second moment after N steps,
-:mod:`sparsync.adam`) and ``adam_precondition=1``. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
+:mod:`sparsync.adam`). ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
 ``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
@@ -28,7 +28,7 @@ from .train import _parse_value, add_common, config_from_args, convergence_of, p
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
 DDP_KEYS = ("delay",)  # config keys that are SparseDDP keywords (the rest: merge, policy or reducer options)
-TRAIN_KEYS = ("adam_freeze", "adam_precondition")  # config keys that are TrainConfig fields of the row
+TRAIN_KEYS = ("adam_freeze",)  # config keys that are TrainConfig fields of the row
 
 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:

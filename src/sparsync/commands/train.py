@@ -93,8 +93,6 @@ def add_common(p, compare: bool = False) -> None:
                    help="after the warm-up: constant, or cosine decay to 0.1 lr (default: the workload's)")
     p.add_argument("--adam-freeze", type=int, default=0, metavar="STEPS",
                    help="adamw: freeze the second moment after STEPS steps, as 1-bit Adam does (0: off)")
-    p.add_argument("--adam-precondition", action="store_true",
-                   help="with --adam-freeze: exchange the gradients divided by the frozen denominator")
     target = p.add_mutually_exclusive_group()
     target.add_argument("--target-accuracy", type=_float_in(0, 1, "--target-accuracy"), default=None,
                         help="for time-to-target: held-out accuracy at or above (default: the workload's)")
@@ -196,7 +194,6 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         target_accuracy=args.target_accuracy, target_loss=getattr(args, "target_loss", None),
         weight_decay=getattr(args, "weight_decay", None), lr_warmup=getattr(args, "lr_warmup", None),
         lr_schedule=getattr(args, "lr_schedule", None), adam_freeze=getattr(args, "adam_freeze", 0) or 0,
-        adam_precondition=bool(getattr(args, "adam_precondition", False)),
         eval_every=args.eval_every, seed=args.seed,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
         checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),

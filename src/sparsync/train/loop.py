@@ -117,8 +117,6 @@ def _validate_optimizer(cfg: TrainConfig) -> None:
             raise ValueError(f"--{k.replace('_', '-')} must be a non-negative integer, got {v!r}")
     if cfg.adam_freeze and cfg.optimizer != "adamw":
         raise ValueError(f"--adam-freeze applies to --optimizer adamw, not {cfg.optimizer!r}")
-    if cfg.adam_precondition not in (True, False) or (cfg.adam_precondition and not cfg.adam_freeze):
-        raise ValueError("--adam-precondition needs --adam-freeze N (it divides by the frozen second moment)")
 
 
 def check_network(network: str) -> None:

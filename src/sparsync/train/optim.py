@@ -14,9 +14,7 @@ alone (not of optimizer state), so a resumed run gets the same learning rates as
 one; it depends on the run's total ``steps``.
 
 ``adam_freeze``: AdamW whose second moment stops updating after that many steps
-(:class:`sparsync.adam.FrozenVarianceAdamW`, as 1-bit Adam does after its warm-up; 0 = off);
-``adam_precondition``: from then on, the gradients are divided by the frozen denominator before
-they are exchanged (what a sparse reducer selects and holds back is in the units of the update).
+(:class:`sparsync.adam.FrozenVarianceAdamW`, as 1-bit Adam does after its warm-up; 0 = off).
 """
 
 from __future__ import annotations
@@ -75,7 +73,6 @@ def make_optimizer(cfg, params) -> torch.optim.Optimizer:
         if freeze:
             from ..adam import FrozenVarianceAdamW
 
-            return FrozenVarianceAdamW(groups, lr=cfg.lr, freeze_after=freeze,
-                                       precondition=bool(getattr(cfg, "adam_precondition", False)))
+            return FrozenVarianceAdamW(groups, lr=cfg.lr, freeze_after=freeze)
         return torch.optim.AdamW(groups, lr=cfg.lr)
     return torch.optim.Adam(groups, lr=cfg.lr)

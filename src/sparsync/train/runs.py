@@ -84,7 +84,6 @@ class TrainConfig:
     lr_warmup: int | None = None      # linear learning-rate warm-up steps (default: the workload's, else 0)
     lr_schedule: str | None = None    # constant | cosine (default: the workload's, else constant)
     adam_freeze: int = 0              # adamw: freeze the second moment after N steps (0: off; sparsync.adam)
-    adam_precondition: bool = False   # with adam_freeze: exchange gradients divided by the frozen denominator
     target_accuracy: float | None = None  # reached at or above (higher is better) ...
     target_loss: float | None = None  # ... or the held-out loss reached at or below; one of them
     eval_every: int | None = None
@@ -157,8 +156,7 @@ class TrainConfig:
         conv = "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
                        for k, v in sorted({**self.reducer_options, **self.convergence,
                                            **_labelled(self.ddp_options),
-                                           **({"adam_freeze": self.adam_freeze} if self.adam_freeze else {}),
-                                           **({"adam_precondition": True} if self.adam_precondition else {})}.items()))
+                                           **({"adam_freeze": self.adam_freeze} if self.adam_freeze else {})}.items()))
         if self.reducer == "dense":
             return f"dense ({self.merge}{conv})"
         return f"{self.reducer} {self.density:g} ({self.merge}{conv})"
