@@ -93,7 +93,8 @@ class Workload:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, chunk: int = 2048) -> dict:
-        """Accuracy and mean loss on the held-out set (model put back into train mode after)."""
+        """Accuracy and mean loss per target on the held-out set (a sequence sample has one target per
+        position; the model is put back into its previous mode after)."""
         was = model.training
         model.eval()
         correct, loss, n = 0, 0.0, 0
@@ -101,8 +102,8 @@ class Workload:
             x, y = self.x_test[i:i + chunk], self.y_test[i:i + chunk]
             out = model(x)
             loss += float(self.loss_fn(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-            n += y.shape[0]
+            correct += int((out.argmax(-1) == y).sum())
+            n += y.numel()
         model.train(was)
         return {"accuracy": correct / max(1, n), "loss": loss / max(1, n)}
 
@@ -279,22 +280,10 @@ ALPHABET = " abcdefghijklmnopqrstuvwxyz"
 class SequenceWorkload(Workload):
     """A workload whose samples are sequences: evaluation averages over every held-out token."""
 
-    @torch.no_grad()
     def evaluate(self, model: nn.Module, chunk: int = 256) -> dict:
-        """Held-out mean loss per token (nats), its perplexity, and next-token accuracy (model put
-        back into its previous mode after)."""
-        was = model.training
-        model.eval()
-        correct, loss, n = 0, 0.0, 0
-        for i in range(0, self.y_test.shape[0], chunk):
-            x, y = self.x_test[i:i + chunk], self.y_test[i:i + chunk]
-            out = model(x)
-            loss += float(seq_cross_entropy(out, y, reduction="sum"))
-            correct += int((out.argmax(-1) == y).sum())
-            n += y.numel()
-        model.train(was)
-        mean = loss / max(1, n)
-        return {"accuracy": correct / max(1, n), "loss": mean, "perplexity": math.exp(min(mean, 700.0))}
+        """:meth:`Workload.evaluate` (loss and accuracy per held-out token) and the perplexity ``exp(loss)``."""
+        ev = super().evaluate(model, chunk)
+        return {**ev, "perplexity": math.exp(min(ev["loss"], 700.0))}
 
 
 def _chars(max_words: int) -> torch.Tensor:
