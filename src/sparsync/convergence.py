@@ -36,6 +36,11 @@ extra byte. They are implemented here, per merge group, around ``reducer.reduce`
   ``warmup_start`` to the target over the first ``warmup_steps`` optimizer steps,
   ``d(t) = s (d/s)^(t/T)``, so the first, fast-changing gradients are not held back for long
   (this sends more in those first steps, and nothing extra afterwards).
+* **Dense warm-up** (``dense_steps``): density 1 (everything sent) for the first ``dense_steps``
+  optimizer steps, then the schedule above. The uncompressed start of 1-bit Adam (Tang et al. 2021,
+  its "warm-up stage") and of PowerSGD in torch (``start_powerSGD_iter``, Vogels et al. 2019): the
+  first gradients change fastest and, under Adam, build the second-moment estimate that later steps
+  are scaled by.
 * **Local gradient clipping** (DGC §3.3): each rank clips its group gradient to norm
   ``clip / sqrt(P)`` *before* it is added to the velocity / residual (summing P independent
   gradients multiplies the norm by about sqrt(P), hence the scaling). Clipping is per merge group,
@@ -72,7 +77,7 @@ from . import native
 __all__ = ["GradientPolicy", "policy_from_options", "POLICY_OPTIONS"]
 
 #: option names accepted by :func:`policy_from_options` (``sparsync train --convergence``)
-POLICY_OPTIONS = ("momentum", "masking", "warmup_steps", "warmup_start", "clip", "nesterov")
+POLICY_OPTIONS = ("momentum", "masking", "warmup_steps", "warmup_start", "clip", "nesterov", "dense_steps")
 
 
 class GradientPolicy:
@@ -87,15 +92,20 @@ class GradientPolicy:
         clip: local gradient-norm clipping threshold before accumulation (None: off); the per-rank
             threshold is ``clip / sqrt(P)``.
         nesterov: Nesterov momentum correction (the reducer is fed ``g + m u``; needs ``momentum > 0``).
+        dense_steps: density 1 for the first ``dense_steps`` optimizer steps (0: off).
     """
 
     def __init__(self, momentum: float = 0.0, masking: bool | None = None, warmup_steps: int = 0,
-                 warmup_start: float = 0.25, clip: float | None = None, nesterov: bool = False):
+                 warmup_start: float = 0.25, clip: float | None = None, nesterov: bool = False,
+                 dense_steps: int = 0):
         momentum = float(momentum)
         if not (0.0 <= momentum < 1.0):
             raise ValueError(f"GradientPolicy: momentum must be in [0, 1), got {momentum}")
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
             raise ValueError(f"GradientPolicy: warmup_steps must be a non-negative integer, got {warmup_steps!r}")
+        if not isinstance(dense_steps, int) or isinstance(dense_steps, bool) or dense_steps < 0:
+            raise ValueError(f"GradientPolicy: dense_steps must be a non-negative integer, got {dense_steps!r}")
+        self.dense_steps = dense_steps
         warmup_start = float(warmup_start)
         if not (0.0 < warmup_start <= 1.0):
             raise ValueError(f"GradientPolicy: warmup_start must be in (0, 1], got {warmup_start}")
@@ -123,14 +133,18 @@ class GradientPolicy:
     def options(self) -> dict:
         """The configuration (what ``state_dict`` checks on load)."""
         return {"momentum": self.momentum, "masking": self.masking, "warmup_steps": self.warmup_steps,
-                "warmup_start": self.warmup_start, "clip": self.clip, "nesterov": self.nesterov}
+                "warmup_start": self.warmup_start, "clip": self.clip, "nesterov": self.nesterov,
+                "dense_steps": self.dense_steps}
 
     def __repr__(self) -> str:
         return "GradientPolicy(" + ", ".join(f"{k}={v!r}" for k, v in self.options().items()) + ")"
 
     # ------------------------------------------------------------------ the protocol
     def density(self, step: int, target: float) -> float:
-        """Exponential warm-up ``s (d/s)^(t/T)`` for ``t < T`` (never below the target), then ``d``."""
+        """1 for ``t < dense_steps``; exponential warm-up ``s (d/s)^(t/T)`` for ``t < T`` (never below
+        the target); then ``d``."""
+        if step < self.dense_steps:
+            return 1.0
         s, T = self.warmup_start, self.warmup_steps
         if T == 0 or step >= T or s <= target:
             return target
@@ -283,7 +297,7 @@ class GradientPolicy:
     def load_state_dict(self, d: dict) -> None:
         if not isinstance(d, dict) or "options" not in d or "velocity" not in d:
             raise ValueError("GradientPolicy.load_state_dict expects the dict returned by state_dict()")
-        saved = {"nesterov": False, **d["options"]}  # states saved before the option existed
+        saved = {"nesterov": False, "dense_steps": 0, **d["options"]}  # states saved before the options existed
         if saved != self.options():
             diff = sorted(k for k, v in self.options().items() if saved.get(k) != v)
             raise ValueError(f"GradientPolicy: saved state has different options ({', '.join(diff)}: "

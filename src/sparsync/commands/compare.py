@@ -6,7 +6,8 @@ or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=
 plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
 ``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
-option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
+option, except ``adam_freeze=N`` (the row's AdamW freezes its second moment after N steps,
+:mod:`sparsync.adam`). ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
 ``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
@@ -28,6 +29,7 @@ from .train import _parse_value, add_common, config_from_args, convergence_of, p
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
 DDP_KEYS = ("delay",)  # config keys that are SparseDDP keywords (the rest: merge, policy or reducer options)
+TRAIN_KEYS = ("adam_freeze",)  # config keys that are TrainConfig fields of the row
 
 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
@@ -42,7 +44,7 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
         head, *kvs = item.split(",")
         name, _, dens = head.partition(":")
         d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None,
-             "ddp": {}}
+             "ddp": {}, "train": {}}
         if dens:
             try:
                 d["density"] = float(dens)
@@ -56,6 +58,8 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
                 d["merge"] = v.strip()
             elif k.strip() in DDP_KEYS:
                 d["ddp"][k.strip()] = _parse_value(v.strip())
+            elif k.strip() in TRAIN_KEYS:
+                d["train"][k.strip()] = _parse_value(v.strip())
             elif k.strip() in POLICY_OPTIONS:
                 d["convergence"] = {**(d["convergence"] or {}), k.strip(): _parse_value(v.strip())}
             else:
@@ -70,7 +74,8 @@ def config_slug(c: dict) -> str:
     r = c["reducer"]
     s = r if r in BASELINES or r.startswith("ddp-") or r == "nocomm" else f"{r}-{c['density']:g}"
     s += "-" + c["merge"].replace(":", "")
-    for k, v in sorted({**c["options"], **(c.get("convergence") or {}), **(c.get("ddp") or {})}.items()):
+    for k, v in sorted({**c["options"], **(c.get("convergence") or {}), **(c.get("ddp") or {}),
+                        **(c.get("train") or {})}.items()):
         s += f"-{k}{v}"
     return s
 
@@ -134,6 +139,8 @@ def plan(args) -> tuple[Path, list]:
         cfg = config_from_args(args, reducer=c["reducer"], density=c["density"], merge=c["merge"],
                                options=c["options"], name=slug, convergence=conv)
         cfg.ddp_options = {**cfg.ddp_options, **(c.get("ddp") or {})}
+        for k, v in (c.get("train") or {}).items():
+            setattr(cfg, k, v)
         cfg.runs_dir = str(root)
         cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
         try:

@@ -97,7 +97,7 @@ def add_common(p, compare: bool = False) -> None:
     """Arguments shared by ``train`` and ``compare``."""
     from . import NETWORK, WORKERS, deprecated_alias
 
-    p.add_argument("--workload", default="digits-mlp", help="digits-mlp | digits-cnn | lm | linear")
+    p.add_argument("--workload", default="digits-mlp", help="digits-mlp | digits-cnn | lm | gpt | linear")
     p.add_argument("--workers", type=WORKERS, default=4, help="number of data-parallel ranks")
     deprecated_alias(p, "--world-size", "--workers", "workers", WORKERS)
     net = p.add_mutually_exclusive_group()
@@ -114,10 +114,21 @@ def add_common(p, compare: bool = False) -> None:
     p.add_argument("--batch-size", type=WORKERS, default=None, help="per-worker batch size (default: the workload's)")
     p.add_argument("--lr", type=_float_in(0, float("inf"), "--lr"), default=None,
                    help="learning rate (default: the workload's)")
-    p.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam"], default=None,
+    p.add_argument("--optimizer", choices=["sgd", "momentum", "nesterov", "adam", "adamw"], default=None,
                    help="(default: the workload's)")
-    p.add_argument("--target-accuracy", type=_float_in(0, 1, "--target-accuracy"), default=None,
-                   help="for time-to-target (default: the workload's)")
+    p.add_argument("--weight-decay", type=_float_in(0, float("inf"), "--weight-decay", lo_open=False), default=None,
+                   help="weight decay of matrices and embeddings (adamw: decoupled; default: the workload's)")
+    p.add_argument("--lr-warmup", type=int, default=None, metavar="STEPS",
+                   help="linear learning-rate warm-up steps (default: the workload's)")
+    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default=None,
+                   help="after the warm-up: constant, or cosine decay to 0.1 lr (default: the workload's)")
+    p.add_argument("--adam-freeze", type=int, default=0, metavar="STEPS",
+                   help="adamw: freeze the second moment after STEPS steps, as 1-bit Adam does (0: off)")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--target-accuracy", type=_float_in(0, 1, "--target-accuracy"), default=None,
+                        help="for time-to-target: held-out accuracy at or above (default: the workload's)")
+    target.add_argument("--target-loss", type=_float_in(0, float("inf"), "--target-loss"), default=None,
+                        help="for time-to-target: held-out loss at or below (default: the workload's; gpt)")
     p.add_argument("--eval-every", type=WORKERS, default=None, help="evaluate every N steps (default: the workload's)")
     p.add_argument("--seed", type=SEED, default=0, help=f"seed of the data order and the initial parameters "
                    f"(0 .. {SEED_MAX})")
@@ -134,6 +145,8 @@ def add_common(p, compare: bool = False) -> None:
     conv.add_argument("--warmup-steps", type=int, default=None, metavar="T",
                       help="density warm-up: exponential from --warmup-start to --density over T steps")
     conv.add_argument("--warmup-start", type=float, default=None, metavar="S", help="warm-up start density (0.25)")
+    conv.add_argument("--dense-steps", type=int, default=None, metavar="T",
+                      help="send everything (density 1) for the first T steps (1-bit Adam's warm-up stage)")
     conv.add_argument("--nesterov", action=argparse_bool(), default=None,
                       help="Nesterov momentum correction: the reducer is fed g + M u (default: on with "
                            "--optimizer nesterov)")
@@ -162,7 +175,8 @@ def argparse_bool():
 def convergence_of(args) -> dict:
     """The GradientPolicy options given by the convergence flags (empty when none)."""
     pairs = (("momentum", "momentum_correction"), ("masking", "masking"), ("warmup_steps", "warmup_steps"),
-             ("warmup_start", "warmup_start"), ("clip", "local_clip"), ("nesterov", "nesterov"))
+             ("warmup_start", "warmup_start"), ("clip", "local_clip"), ("nesterov", "nesterov"),
+             ("dense_steps", "dense_steps"))
     return {k: getattr(args, a) for k, a in pairs if getattr(args, a, None) is not None}
 
 
@@ -214,7 +228,10 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         ddp_options=parse_kv(getattr(args, "ddp_option", None), "--ddp-option"), workers=args.workers,
         convergence=convergence if convergence is not None else convergence_of(args),
         steps=args.steps, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer,
-        target_accuracy=args.target_accuracy, eval_every=args.eval_every, seed=args.seed,
+        target_accuracy=args.target_accuracy, target_loss=getattr(args, "target_loss", None),
+        weight_decay=getattr(args, "weight_decay", None), lr_warmup=getattr(args, "lr_warmup", None),
+        lr_schedule=getattr(args, "lr_schedule", None), adam_freeze=getattr(args, "adam_freeze", 0) or 0,
+        eval_every=args.eval_every, seed=args.seed,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
         checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),
         keep_checkpoints=getattr(args, "keep_checkpoints", 2),
@@ -434,8 +451,9 @@ def tensorboard_tail(logdir, cfgs):
 
 def _print_summary(s: dict, cfg) -> None:
     tt = s.get("time_to_target_s")
-    print(f"{s['label']}: final accuracy {s['final_accuracy']:.4f}, "
-          f"time to {s['target_accuracy']:.3f}: {'not reached' if tt is None else f'{tt:.2f} s'}, "
+    ppl = "" if s.get("final_perplexity") is None else f" (perplexity {s['final_perplexity']:.2f})"
+    print(f"{s['label']}: final accuracy {s['final_accuracy']:.4f}, final held-out loss {s['final_test_loss']:.4f}"
+          f"{ppl}, time to {cfg.target_text()}: {'not reached' if tt is None else f'{tt:.2f} s'}, "
           f"train time {s['train_time_s']:.2f} s, median step {1e3 * (s['median_step_s'] or 0):.1f} ms")
     print(f"run directory: {os.path.join(cfg.runs_dir, cfg.name)}")
 

@@ -602,7 +602,9 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
             self.trend = 1.0 if self.prev_threshold is None else delta / self.prev_threshold
             self.prev_threshold = delta
-            self.controller.delta = next_delta = delta
+            # a window whose lowest edge passed (density 1: everything sent) may give 0; the next window
+            # needs a positive centre (as the controller's own update keeps it)
+            self.controller.delta = next_delta = max(delta, 1e-30)
             self._next_spread(j)
         else:
             # The controller sees the transmitted K even when a rank hit its budget: a structurally

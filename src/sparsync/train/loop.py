@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..launch import progress
+from .optim import OPTIMIZERS, SCHEDULES, make_optimizer, set_lr
 from .runs import RunDir, TrainConfig, load_checkpoint, save_checkpoint
 from .workloads import make_workload, workload_names
 
@@ -53,7 +54,6 @@ TORCH_DDP = ("ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4")
 #: its accuracy is rank 0's local model). Every other step time is divided by its step time.
 NOCOMM = "nocomm"
 _INIT_LOCK = threading.Lock()
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam")
 
 
 class NetworkUnavailable(RuntimeError):
@@ -88,11 +88,12 @@ def validate(cfg: TrainConfig):
             raise ValueError(f"convergence options ({', '.join(sorted(cfg.convergence))}) apply to SparseDDP "
                              f"reducers, not to {cfg.reducer!r}")
         pol = policy_from_options(cfg.convergence)
-        if pol.momentum and cfg.optimizer == "adam":
+        if pol.momentum and cfg.optimizer in ("adam", "adamw"):
             raise ValueError("momentum correction replaces SGD's momentum (the optimizer becomes plain SGD); "
-                             "it does not apply to --optimizer adam")
+                             f"it does not apply to --optimizer {cfg.optimizer}")
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
+    _validate_optimizer(cfg)
     if cfg.convergence:  # what the run will use, as its label and config.json say
         cfg.convergence = policy_options(cfg)
     if cfg.steps < 1:
@@ -102,6 +103,20 @@ def validate(cfg: TrainConfig):
     if not isinstance(cfg.keep_checkpoints, int) or cfg.keep_checkpoints < 0:
         raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints!r}")
     return wl
+
+
+def _validate_optimizer(cfg: TrainConfig) -> None:
+    """The optimizer's numbers after defaults (sparsync.train.optim), one line each."""
+    if cfg.lr_schedule not in SCHEDULES:
+        raise ValueError(f"unknown learning-rate schedule {cfg.lr_schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if not (isinstance(cfg.weight_decay, (int, float)) and 0 <= cfg.weight_decay < float("inf")):
+        raise ValueError(f"--weight-decay must be a non-negative number, got {cfg.weight_decay!r}")
+    for k in ("lr_warmup", "adam_freeze"):
+        v = getattr(cfg, k)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"--{k.replace('_', '-')} must be a non-negative integer, got {v!r}")
+    if cfg.adam_freeze and cfg.optimizer != "adamw":
+        raise ValueError(f"--adam-freeze applies to --optimizer adamw, not {cfg.optimizer!r}")
 
 
 def check_network(network: str) -> None:
@@ -169,15 +184,6 @@ def policy_options(cfg: TrainConfig) -> dict:
     if opts.get("momentum") and cfg.optimizer == "nesterov":
         opts.setdefault("nesterov", True)
     return opts
-
-
-def _make_optimizer(cfg: TrainConfig, model: nn.Module):
-    params = list(model.parameters())
-    if cfg.optimizer == "sgd" or cfg.convergence.get("momentum"):  # momentum correction: SGD's momentum
-        return torch.optim.SGD(params, lr=cfg.lr)                  # moved into the GradientPolicy
-    if cfg.optimizer in ("momentum", "nesterov"):
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov")
-    return torch.optim.Adam(params, lr=cfg.lr)
 
 
 def _wrap(cfg: TrainConfig, model: nn.Module, comm):
@@ -277,7 +283,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         model = wl.build()
     numel = sum(p.numel() for p in model.parameters())
     fwd, ddp = _wrap(cfg, model, comm)
-    opt = _make_optimizer(cfg, model)
+    opt = make_optimizer(cfg, model.parameters())
     rd = RunDir(run_path) if run_path else None
 
     start, train_time, evals, time_to_target = _resume(resume_info, cfg, rank, model, opt, ddp)
@@ -303,6 +309,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             x, y = wl.batch(step, rank, P, cfg.batch_size, cfg.seed)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
+            set_lr(opt, cfg, step)
             out = fwd(x)
             loss = wl.loss_fn(out, y)
             t1 = time.perf_counter()
@@ -319,9 +326,11 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 ev = wl.evaluate(model)
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
+                if "perplexity" in ev:
+                    rec["perplexity"] = ev["perplexity"]
                 evals.append({"step": step, "time_s": train_time, **ev})
                 last_acc = ev["accuracy"]
-                if time_to_target is None and ev["accuracy"] >= cfg.target_accuracy:
+                if time_to_target is None and cfg.target_reached(ev):
                     time_to_target = train_time
             losses.append(lv)
             rows.append(rec)
@@ -434,7 +443,9 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
         "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
         "best_accuracy": max((e["accuracy"] for e in evals), default=None),
-        "target_accuracy": cfg.target_accuracy, "time_to_target_s": time_to_target,
+        "target_accuracy": cfg.target_accuracy, "target_loss": cfg.target_loss,
+        "final_perplexity": final.get("perplexity"), "time_to_target_s": time_to_target,
+        "steps_to_target": next((e["step"] + 1 for e in evals if cfg.target_reached(e)), None),
         "train_time_s": train_time,
         "median_step_s": med("step_s"), "median_compute_s": med("compute_s"), "median_select_s": med("select_s"),
         "median_comm_s": med("comm_s"), "median_wait_s": med("wait_s"),

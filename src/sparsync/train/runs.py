@@ -254,7 +254,7 @@ class MetricsWriter:
 
 #: fields that do not change the trajectory of a run (may differ between a run and its resume)
 _VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "force", "resume",
-             "target_accuracy", "timeout", "time_limit", "final_checkpoint", "keep_checkpoints"}
+             "target_accuracy", "target_loss", "timeout", "time_limit", "final_checkpoint", "keep_checkpoints"}
 _TMP_RE = re.compile(r"\.tmp\d+$")  # what _atomic_write / save_checkpoint leave when killed
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -276,9 +276,14 @@ class TrainConfig:
     epochs: float | None = None
     batch_size: int | None = None     # per worker
     lr: float | None = None
-    optimizer: str | None = None      # sgd | momentum | nesterov | adam
+    optimizer: str | None = None      # sgd | momentum | nesterov | adam | adamw (sparsync.train.optim)
     momentum: float = 0.9
-    target_accuracy: float | None = None
+    weight_decay: float | None = None  # default: the workload's, else 0
+    lr_warmup: int | None = None      # linear learning-rate warm-up steps (default: the workload's, else 0)
+    lr_schedule: str | None = None    # constant | cosine (default: the workload's, else constant)
+    adam_freeze: int = 0              # adamw: freeze the second moment after N steps (0: off; sparsync.adam)
+    target_accuracy: float | None = None  # reached at or above (higher is better) ...
+    target_loss: float | None = None  # ... or the held-out loss reached at or below; one of them
     eval_every: int | None = None
     seed: int = 0
     name: str | None = None
@@ -293,9 +298,14 @@ class TrainConfig:
 
     def fill_defaults(self, workload) -> TrainConfig:
         d = workload.defaults
-        for k in ("batch_size", "lr", "optimizer", "target_accuracy", "eval_every"):
+        for k in ("batch_size", "lr", "optimizer", "eval_every"):
             if getattr(self, k) is None:
                 setattr(self, k, d[k])
+        for k, fallback in (("weight_decay", 0.0), ("lr_warmup", 0), ("lr_schedule", "constant")):
+            if getattr(self, k) is None:
+                setattr(self, k, d.get(k, fallback))
+        if self.target_accuracy is None and self.target_loss is None:  # a target given replaces the workload's
+            self.target_accuracy, self.target_loss = d.get("target_accuracy"), d.get("target_loss")
         if self.steps is None:
             if self.epochs is not None:
                 spe = workload.steps_per_epoch(self.workers, self.batch_size)
@@ -308,6 +318,19 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def target_reached(self, ev: dict) -> bool:
+        """Whether an evaluation (``{"accuracy", "loss", ...}``) meets the run's target: the held-out
+        loss at or below ``target_loss`` when that is set, else accuracy at or above ``target_accuracy``."""
+        if self.target_loss is not None:
+            return ev["loss"] <= self.target_loss
+        return self.target_accuracy is not None and ev["accuracy"] >= self.target_accuracy
+
+    def target_text(self) -> str:
+        """The target in words, e.g. ``held-out loss <= 2.1`` or ``accuracy >= 0.95``."""
+        if self.target_loss is not None:
+            return f"held-out loss <= {self.target_loss:g}"
+        return "no target" if self.target_accuracy is None else f"accuracy >= {self.target_accuracy:g}"
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -331,7 +354,8 @@ class TrainConfig:
         # reducer options too: two rows differing only there must not share a label
         conv = "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
                        for k, v in sorted({**self.reducer_options, **self.convergence,
-                                           **_labelled(self.ddp_options)}.items()))
+                                           **_labelled(self.ddp_options),
+                                           **({"adam_freeze": self.adam_freeze} if self.adam_freeze else {})}.items()))
         if self.reducer == "dense":
             return f"dense ({self.merge}{conv})"
         return f"{self.reducer} {self.density:g} ({self.merge}{conv})"

@@ -13,6 +13,10 @@ unit of compute, so every workload here has a large gradient relative to its for
   lower-case words, built deterministically (sorted file list, fixed token budget) and cached under
   ``~/.cache/sparsync`` (``$SPARSYNC_CACHE`` overrides). ``sparse_embedding=True`` makes the
   embedding produce ``torch.sparse`` gradients (``nn.Embedding(sparse=True)``).
+* ``gpt``         a decoder-only transformer (:mod:`sparsync.train.gpt`: causal self-attention,
+  pre-norm, GELU MLP) on the same corpus read as characters (``a``-``z`` and space), trained with
+  AdamW (weight decay, linear warm-up then cosine decay); its target is a held-out loss (lower is
+  better, ``target_loss``), reported with its perplexity.
 * ``linear``      logistic regression on sparse data (SparCML's MPI-SGD workload) with the
   deterministic power-law data of :func:`sparsync.linear.make_synthetic`; the weight vector is an
   ``EmbeddingBag`` (``sparse_embedding=True`` for torch sparse gradients). (SVM: use
@@ -20,7 +24,8 @@ unit of compute, so every workload here has a large gradient relative to its for
 
 Every workload provides: a model factory, a deterministic batch for (step, rank) from a seed (so a
 resumed run sees the same data as an uninterrupted one), an evaluation (accuracy, loss) on held-out
-data, and defaults (optimizer, lr, batch size, steps, target accuracy).
+data, and defaults (optimizer, lr, batch size, steps, and a target: ``target_accuracy``, reached at or
+above, or ``target_loss``, the held-out loss reached at or below).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .gpt import GPT, seq_cross_entropy
 
 __all__ = ["WORKLOADS", "Workload", "cache_dir", "lm_corpus", "make_workload", "workload_names"]
 
@@ -86,7 +93,8 @@ class Workload:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, chunk: int = 2048) -> dict:
-        """Accuracy and mean loss on the held-out set (model put back into train mode after)."""
+        """Accuracy and mean loss per target on the held-out set (a sequence sample has one target per
+        position; the model is put back into its previous mode after)."""
         was = model.training
         model.eval()
         correct, loss, n = 0, 0.0, 0
@@ -94,8 +102,8 @@ class Workload:
             x, y = self.x_test[i:i + chunk], self.y_test[i:i + chunk]
             out = model(x)
             loss += float(self.loss_fn(out, y, reduction="sum"))
-            correct += int((out.argmax(1) == y).sum())
-            n += y.shape[0]
+            correct += int((out.argmax(-1) == y).sum())
+            n += y.numel()
         model.train(was)
         return {"accuracy": correct / max(1, n), "loss": loss / max(1, n)}
 
@@ -265,6 +273,71 @@ def _lm(vocab: int = 30000, dim: int = 64, context: int = 4, hidden: int = 128,
     )
 
 
+# ---------------------------------------------------------------------------- gpt (transformer, AdamW)
+ALPHABET = " abcdefghijklmnopqrstuvwxyz"
+
+
+class SequenceWorkload(Workload):
+    """A workload whose samples are sequences: evaluation averages over every held-out token."""
+
+    def evaluate(self, model: nn.Module, chunk: int = 256) -> dict:
+        """:meth:`Workload.evaluate` (loss and accuracy per held-out token) and the perplexity ``exp(loss)``."""
+        ev = super().evaluate(model, chunk)
+        return {**ev, "perplexity": math.exp(min(ev["loss"], 700.0))}
+
+
+def _chars(max_words: int) -> torch.Tensor:
+    """The corpus' first ``max_words`` words joined by spaces, as ids into :data:`ALPHABET` (cached)."""
+    words, cpath = lm_corpus()
+    path = cache_dir() / f"{cpath.stem}-chars{int(max_words)}.pt"
+    if path.exists():
+        try:
+            return torch.load(path)
+        except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # a broken cache: rebuilt below
+            path.unlink(missing_ok=True)
+    text = " ".join(words[: int(max_words)]).encode("ascii")
+    lut = torch.zeros(256, dtype=torch.int64)
+    lut[torch.tensor(list(ALPHABET.encode("ascii")))] = torch.arange(len(ALPHABET))
+    ids = lut[torch.frombuffer(bytearray(text), dtype=torch.uint8).long()]
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save(ids, tmp)
+    os.replace(tmp, path)
+    return ids
+
+
+def _positive_int(name: str, v, lo: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or int(v) < lo:
+        raise ValueError(f"workload 'gpt': {name} must be an integer >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _gpt(width: int = 384, layers: int = 2, heads: int = 4, context: int = 32,
+                 max_words: int = 500_000, n_test: int = 512) -> Workload:
+    """The ``gpt`` workload (:mod:`sparsync.train.gpt`); options are checked here, each in one line."""
+    width, layers, heads = _positive_int("width", width), _positive_int("layers", layers), _positive_int("heads", heads)
+    context, n_test = _positive_int("context", context), _positive_int("n_test", n_test)
+    max_words = _positive_int("max_words", max_words, lo=1000)
+    if width % heads:
+        raise ValueError(f"workload 'gpt': width ({width}) must be a multiple of heads ({heads})")
+    ids = _chars(max_words)
+    seqs = ids[: ids.numel() // (context + 1) * (context + 1)].view(-1, context + 1)
+    split = int(seqs.shape[0] * 0.95)
+    test = seqs[split:]
+    if test.shape[0] < 1 or split < 1:
+        raise ValueError(f"workload 'gpt': max_words={max_words} gives too little text for context {context}")
+    test = test[: n_test]
+    vocab = len(ALPHABET)
+    return SequenceWorkload(
+        "gpt", lambda: GPT(vocab, width, layers, heads, context),
+        seqs[:split, :context], seqs[:split, 1:], test[:, :context].clone(), test[:, 1:].clone(),
+        loss_fn=seq_cross_entropy,
+        defaults={"optimizer": "adamw", "lr": 1e-3, "batch_size": 4, "steps": 600, "target_loss": 1.6,
+                  "eval_every": 25, "weight_decay": 0.1, "lr_warmup": 30, "lr_schedule": "cosine"},
+        description=(f"decoder-only transformer (width {width}, {layers} layers, {heads} heads, context {context}) "
+                     f"on the Python stdlib's words as characters ({ids.numel()} characters, vocabulary {vocab})"),
+    )
+
+
 # ---------------------------------------------------------------------------- linear (SparCML MPI-SGD)
 class SparseLogReg(nn.Module):
     """Logistic regression on sparse rows: ``x = [col_0..col_{m-1}, val_0..val_{m-1}]`` (padded with
@@ -319,6 +392,7 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
     "digits-mlp": _digits_mlp,
     "digits-cnn": _digits_cnn,
     "lm": _lm,
+    "gpt": _gpt,
     "linear": _linear,
 }
 
