@@ -52,7 +52,7 @@ def test_workload_is_deterministic_given_the_seed():
     assert 2.5 < ev["loss"] < 4.0  # an untrained model: about log(27) = 3.3 nats per character
 
 
-@pytest.mark.parametrize("option,message", [("width=abc", "width must be an integer"),
+@pytest.mark.parametrize("option,message", [("width=abc", "width='abc': expected an integer"),
                                             ("width=30,heads=4", "multiple of heads"),
                                             ("depth=2", "no option depth")])
 def test_bad_workload_options_are_one_line_errors(tmp_path, capsys, option, message):
