@@ -5,8 +5,11 @@ separated by ``;``; each is ``NAME[:DENSITY][,key=value...]`` where ``NAME`` is 
 or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=`` sets the merge
 plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
-``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
-option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
+``delay=1`` is SparseDDP's delayed averaging (docs/engine.md), ``sync_every=H`` (with
+``outer_lr=``, ``outer_momentum=``) runs the reducer as DiLoCo's pseudo-gradient exchange every H
+steps (``diloco:H`` = ``dense,sync_every=H``; docs/localsteps.md) and any other key is a reducer
+option. ``ddp-localsgd<H>[,warmup=N]`` is torch's post-local SGD averaging every H steps,
+``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
 ``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
@@ -32,6 +35,7 @@ DDP_KEYS = ("delay",)  # config keys that are SparseDDP keywords (the rest: merg
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
     """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``."""
     from ..convergence import POLICY_OPTIONS
+    from ..localsteps.trainer import LOCAL_KEYS
 
     out = []
     for item in spec.split(";"):
@@ -41,7 +45,11 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
         head, *kvs = item.split(",")
         name, _, dens = head.partition(":")
         d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None,
-             "ddp": {}}
+             "ddp": {}, "local": {}}
+        if d["reducer"] == "diloco":  # diloco:H = dense DiLoCo
+            if not dens.strip().isdigit():
+                raise UsageError(f"config {item!r}: write diloco:H with H the steps between synchronisations")
+            d["reducer"], d["local"]["sync_every"], dens = "dense", int(dens), ""
         if dens:
             try:
                 d["density"] = float(dens)
@@ -55,6 +63,8 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
                 d["merge"] = v.strip()
             elif k.strip() in DDP_KEYS:
                 d["ddp"][k.strip()] = _parse_value(v.strip())
+            elif k.strip() in LOCAL_KEYS:
+                d["local"][k.strip()] = _parse_value(v.strip())
             elif k.strip() in POLICY_OPTIONS:
                 d["convergence"] = {**(d["convergence"] or {}), k.strip(): _parse_value(v.strip())}
             else:
@@ -69,7 +79,8 @@ def config_slug(c: dict) -> str:
     r = c["reducer"]
     s = r if r in BASELINES or r.startswith("ddp-") or r == "nocomm" else f"{r}-{c['density']:g}"
     s += "-" + c["merge"].replace(":", "")
-    for k, v in sorted({**c["options"], **(c.get("convergence") or {}), **(c.get("ddp") or {})}.items()):
+    for k, v in sorted({**c["options"], **(c.get("convergence") or {}), **(c.get("ddp") or {}),
+                        **(c.get("local") or {})}.items()):
         s += f"-{k}{v}"
     return s
 
@@ -114,7 +125,7 @@ def plan(args) -> tuple[Path, list]:
     written. Raises :class:`UsageError` naming the configuration at fault."""
     configs = parse_configs(args.configs, args.density, args.merge)
     if not args.no_baselines:
-        have = {c["reducer"] for c in configs}
+        have = {c["reducer"] for c in configs if not c.get("local")}
         configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}, "convergence": {}}
                    for b in BASELINES if b not in have] + configs
     name = args.name or f"compare-{args.workload}-P{args.workers}"
@@ -126,11 +137,13 @@ def plan(args) -> tuple[Path, list]:
             slug += "+"
         seen.add(slug)
         conv = dict(c.get("convergence") or {})
-        if not (c["reducer"] in BASELINES or c["reducer"].startswith("ddp-") or c["reducer"] == "nocomm"):
-            conv = {**convergence_of(args), **conv}  # the flags apply to the sparse configurations
+        if not (c["reducer"] in BASELINES or c["reducer"].startswith("ddp-") or c["reducer"] == "nocomm"
+                or c.get("local")):
+            conv = {**convergence_of(args), **conv}  # the flags apply to the per-step sparse configurations
         cfg = config_from_args(args, reducer=c["reducer"], density=c["density"], merge=c["merge"],
                                options=c["options"], name=slug, convergence=conv)
         cfg.ddp_options = {**cfg.ddp_options, **(c.get("ddp") or {})}
+        cfg.local_steps = dict(c.get("local") or {})
         cfg.runs_dir = str(root)
         cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
         try:
