@@ -121,7 +121,7 @@ class DiLoCo:
     def __init__(self, module: nn.Module, comm, inner_optimizer, sync_every: int, reducer: str = "dense",
                  density: float = 0.01, outer_lr: float = 0.7, outer_momentum: float = 0.9, *,
                  init_sync: bool = True, **reducer_options):
-        from ..ddp import _as_comm, _broadcast_tensors, _check_same_params
+        from ..ddp import _as_comm, start_in_sync
         from ..reducers.registry import make_reducer
 
         if not isinstance(module, nn.Module):
@@ -141,13 +141,7 @@ class DiLoCo:
         self.sync_every = int(sync_every)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.reducer_name = reducer
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("DiLoCo: the module has no trainable parameters")
-        _check_same_params(comm, named)
-        if comm.world_size > 1 and init_sync:
-            with comm.phase("diloco-init"):
-                _broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), comm)
+        named = start_in_sync(module, comm, "DiLoCo", init_sync)
         by_kind: dict = {}
         for _, p in named:
             by_kind.setdefault((p.device, p.dtype), []).append(p)
