@@ -119,6 +119,8 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of everything that determines the trajectory (not the step budget, name, network)."""
         d = {k: v for k, v in self.to_dict().items() if k not in _VOLATILE}
+        if not d["local_steps"]:  # runs without local steps keep the fingerprint they had before the field
+            del d["local_steps"]
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @property
