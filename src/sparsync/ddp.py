@@ -128,13 +128,7 @@ class SparseDDP(nn.Module):
         self.find_unused_parameters = bool(find_unused_parameters)
         self.static_graph = bool(static_graph)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        if not named:
-            raise ValueError("SparseDDP: the module has no trainable parameters")
-        _check_same_params(comm, named)
-        if comm.world_size > 1 and init_sync:
-            with comm.phase("sparseddp-init"):
-                _broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), comm)
+        named = start_in_sync(module, comm, "SparseDDP", init_sync)
         sparse_ids = _sparse_grad_params(module)
         sparse_idx = [i for i, (_, p) in enumerate(named) if id(p) in sparse_ids]
         self._engine = OverlapEngine(
@@ -323,6 +317,20 @@ def _as_comm(comm):
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+
+
+def start_in_sync(module, comm, who: str, init_sync: bool = True) -> list:
+    """The module's trainable ``(name, parameter)`` pairs, checked to be the same on every rank, with
+    rank 0's parameters and buffers broadcast to all (unless ``init_sync`` is False). ``who`` names
+    the wrapper in errors and in the ledger phase."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{who}: the module has no trainable parameters")
+    _check_same_params(comm, named)
+    if comm.world_size > 1 and init_sync:
+        with comm.phase(f"{who.lower()}-init"):
+            _broadcast_tensors([p for _, p in module.named_parameters()] + list(module.buffers()), comm)
+    return named
 
 
 def _check_same_params(comm, named):

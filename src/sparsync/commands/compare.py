@@ -5,9 +5,12 @@ separated by ``;``; each is ``NAME[:DENSITY][,key=value...]`` where ``NAME`` is 
 or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=`` sets the merge
 plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
-``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
-option, except ``adam_freeze=N`` (the row's AdamW freezes its second moment after N steps,
-:mod:`sparsync.adam`). ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
+``delay=1`` is SparseDDP's delayed averaging (docs/engine.md), ``sync_every=H`` (with
+``outer_lr=``, ``outer_momentum=``) runs the reducer as DiLoCo's pseudo-gradient exchange every H
+steps (``diloco:H`` = ``dense,sync_every=H``; docs/localsteps.md), ``adam_freeze=N`` makes the row's
+AdamW freeze its second moment after N steps (:mod:`sparsync.adam`), and any other key is a reducer
+option. ``ddp-localsgd<H>[,warmup=N]`` is torch's post-local SGD averaging every H steps,
+``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
 ``nocomm`` the no-communication floor. The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
@@ -35,6 +38,7 @@ TRAIN_KEYS = ("adam_freeze",)  # config keys that are TrainConfig fields of the 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
     """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``."""
     from ..convergence import POLICY_OPTIONS
+    from ..localsteps.trainer import LOCAL_KEYS
 
     out = []
     for item in spec.split(";"):
@@ -44,7 +48,11 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
         head, *kvs = item.split(",")
         name, _, dens = head.partition(":")
         d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None,
-             "ddp": {}, "train": {}}
+             "ddp": {}, "train": {}, "local": {}}
+        if d["reducer"] == "diloco":  # diloco:H = dense DiLoCo
+            if not dens.strip().isdigit():
+                raise UsageError(f"config {item!r}: write diloco:H with H the steps between synchronisations")
+            d["reducer"], d["local"]["sync_every"], dens = "dense", int(dens), ""
         if dens:
             try:
                 d["density"] = float(dens)
@@ -60,6 +68,8 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
                 d["ddp"][k.strip()] = _parse_value(v.strip())
             elif k.strip() in TRAIN_KEYS:
                 d["train"][k.strip()] = _parse_value(v.strip())
+            elif k.strip() in LOCAL_KEYS:
+                d["local"][k.strip()] = _parse_value(v.strip())
             elif k.strip() in POLICY_OPTIONS:
                 d["convergence"] = {**(d["convergence"] or {}), k.strip(): _parse_value(v.strip())}
             else:
@@ -75,7 +85,7 @@ def config_slug(c: dict) -> str:
     s = r if r in BASELINES or r.startswith("ddp-") or r == "nocomm" else f"{r}-{c['density']:g}"
     s += "-" + c["merge"].replace(":", "")
     for k, v in sorted({**c["options"], **(c.get("convergence") or {}), **(c.get("ddp") or {}),
-                        **(c.get("train") or {})}.items()):
+                        **(c.get("train") or {}), **(c.get("local") or {})}.items()):
         s += f"-{k}{v}"
     return s
 
@@ -120,7 +130,7 @@ def plan(args) -> tuple[Path, list]:
     written. Raises :class:`UsageError` naming the configuration at fault."""
     configs = parse_configs(args.configs, args.density, args.merge)
     if not args.no_baselines:
-        have = {c["reducer"] for c in configs}
+        have = {c["reducer"] for c in configs if not c.get("local")}
         configs = [{"reducer": b, "density": args.density, "merge": args.merge, "options": {}, "convergence": {}}
                    for b in BASELINES if b not in have] + configs
     name = args.name if args.name is not None else f"compare-{args.workload}-P{args.workers}"
@@ -134,13 +144,15 @@ def plan(args) -> tuple[Path, list]:
         seen.add(slug)
         _check_name(slug, f"configuration {c['reducer']!r}: its directory name")
         conv = dict(c.get("convergence") or {})
-        if not (c["reducer"] in BASELINES or c["reducer"].startswith("ddp-") or c["reducer"] == "nocomm"):
-            conv = {**convergence_of(args), **conv}  # the flags apply to the sparse configurations
+        if not (c["reducer"] in BASELINES or c["reducer"].startswith("ddp-") or c["reducer"] == "nocomm"
+                or c.get("local")):
+            conv = {**convergence_of(args), **conv}  # the flags apply to the per-step sparse configurations
         cfg = config_from_args(args, reducer=c["reducer"], density=c["density"], merge=c["merge"],
                                options=c["options"], name=slug, convergence=conv)
         cfg.ddp_options = {**cfg.ddp_options, **(c.get("ddp") or {})}
         for k, v in (c.get("train") or {}).items():
             setattr(cfg, k, v)
+        cfg.local_steps = dict(c.get("local") or {})
         cfg.runs_dir = str(root)
         cfg.final_checkpoint = bool(getattr(args, "checkpoints", False))
         try:

@@ -202,11 +202,19 @@ def register(sub) -> None:
                        __doc__.split("\n\n", 2)[2].rstrip())
     add_common(p)
     p.add_argument("--reducer", default="dense",
-                   help="a registered reducer (an unknown name lists them) or ddp / ddp-fp16 (torch's DDP)")
+                   help="a registered reducer (an unknown name lists them), ddp / ddp-fp16 (torch's DDP) or "
+                        "ddp-localsgd<H> (torch's post-local SGD)")
     p.add_argument("--density", type=DENSITY, default=0.01, help="fraction of gradient entries sent")
     p.add_argument("--merge", default="single", help="single | wfbp | buckets:<MB> | mgwfbp | optimal")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="reducer option (repeatable; an unknown key lists the reducer's options)")
+    local = p.add_argument_group("local steps (docs/localsteps.md)")
+    local.add_argument("--sync-every", type=int, default=None, metavar="H",
+                       help="DiLoCo: H inner steps per outer synchronisation (the reducer sends the pseudo-gradient)")
+    local.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer Nesterov SGD lr (0.7)")
+    local.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo's outer momentum (0.9)")
+    local.add_argument("--local-warmup", type=int, default=None, metavar="N",
+                       help="ddp-localsgd<H>: synchronous steps before local SGD (torch's start_localSGD_iter)")
     p.add_argument("--name", default=None, help="run name (directory <runs-dir>/<name>; default from the config)")
     p.add_argument("--checkpoint-every", type=_int_in(0, 2**62, "--checkpoint-every"), default=0,
                    help="also checkpoint every N steps (0: only at the end)")
@@ -219,7 +227,10 @@ def register(sub) -> None:
 def config_from_args(args, reducer=None, density=None, merge=None, options=None, name=None, convergence=None):
     from ..train.runs import TrainConfig
 
-    return TrainConfig(
+    pairs = (("sync_every", "sync_every"), ("outer_lr", "outer_lr"), ("outer_momentum", "outer_momentum"),
+             ("warmup", "local_warmup"))
+    local_steps = {k: getattr(args, a) for k, a in pairs if getattr(args, a, None) is not None}
+    return TrainConfig(local_steps=local_steps,
         workload=args.workload, reducer=reducer or args.reducer,
         density=float(density if density is not None else args.density),
         merge=merge or args.merge,

@@ -70,8 +70,10 @@ def validate(cfg: TrainConfig):
     """Check names and numbers before any process starts; returns the built workload."""
     if cfg.workload not in workload_names():
         raise ValueError(f"unknown workload {cfg.workload!r}; valid: {', '.join(workload_names())}")
+    from ..localsteps import trainer as local
+
     reducers = valid_reducers()
-    if cfg.reducer not in reducers:
+    if cfg.reducer not in reducers and not local.is_local(cfg):
         raise ValueError(f"unknown reducer {cfg.reducer!r}; valid: {', '.join(reducers)}")
     if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
@@ -91,6 +93,7 @@ def validate(cfg: TrainConfig):
         if pol.momentum and cfg.optimizer in ("adam", "adamw"):
             raise ValueError("momentum correction replaces SGD's momentum (the optimizer becomes plain SGD); "
                              f"it does not apply to --optimizer {cfg.optimizer}")
+    local.check(cfg)
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
     _validate_optimizer(cfg)
@@ -187,8 +190,11 @@ def policy_options(cfg: TrainConfig) -> dict:
 
 
 def _wrap(cfg: TrainConfig, model: nn.Module, comm):
-    """(callable model, engine or None). Engine = SparseDDP or torch DDP; None for the floor."""
-    if cfg.reducer == NOCOMM:
+    """(callable model, engine or None). Engine = SparseDDP or torch DDP; None for the floor and for
+    local steps (:func:`sparsync.localsteps.trainer.wrap` builds theirs with the optimizer)."""
+    from ..localsteps.trainer import is_local
+
+    if cfg.reducer == NOCOMM or is_local(cfg):
         return model, None
     if cfg.is_torch_ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -270,6 +276,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
 
     About 85 lines, on purpose: the loop reads top to bottom, and its running state (train time,
     evaluations, time to target) is shared with the checkpoint closure."""
+    from ..localsteps import trainer as local
+
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, P = comm.rank, comm.world_size
     if P != cfg.workers:
@@ -284,6 +292,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     numel = sum(p.numel() for p in model.parameters())
     fwd, ddp = _wrap(cfg, model, comm)
     opt = make_optimizer(cfg, model.parameters())
+    if local.is_local(cfg):  # DiLoCo / torch's post-local SGD wrap the optimizer
+        fwd, ddp, opt = local.wrap(cfg, model, comm, opt)
     rd = RunDir(run_path) if run_path else None
 
     start, train_time, evals, time_to_target = _resume(resume_info, cfg, rank, model, opt, ddp)
@@ -387,12 +397,16 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
     rec = {"step": step, "loss": loss, "time_s": train_time, "step_s": t3 - t0, "forward_s": t1 - t0,
            "backward_s": t2 - t1, "optimizer_s": t3 - t2}
     if cfg.is_torch_ddp:
-        nb = _ddp_bytes(cfg, model)
-        rec.update(bytes_sent=nb, bytes_received=nb, density=1.0, selected=numel, numel=numel, compute_s=None)
+        from ..localsteps.trainer import step_bytes
+
+        nb = step_bytes(cfg, numel, step)  # post-local SGD: only warm-up and averaging steps send
+        nb = _ddp_bytes(cfg, model) if nb is None else nb
+        rec.update(bytes_sent=nb, bytes_received=nb, density=1.0 if nb else 0.0, selected=numel if nb else 0,
+                   numel=numel, compute_s=None)
         return rec
     st = dict(getattr(ddp, "last_stats", {}) or {})
     for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
-              "numel", "density", "groups", *_BREAKDOWN_KEYS,
+              "numel", "density", "groups", "outer_s", *_BREAKDOWN_KEYS,
               *(k for k in st if k.startswith("reducer_") and k not in _BREAKDOWN_KEYS)):
         if k in st:
             v = st[k]
@@ -401,7 +415,7 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
             rec[k] = v
     bc = st.get("backward_s")
     rec["backward_compute_s"] = bc
-    rec["compute_s"] = (t1 - t0) + (t3 - t2) + (bc if bc is not None else (t2 - t1))
+    rec["compute_s"] = (t1 - t0) + (t3 - t2) + (bc if bc is not None else (t2 - t1)) - (st.get("outer_s") or 0.0)
     return rec
 
 
@@ -437,9 +451,11 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
 
     final = evals[-1] if evals else {}
     return {
-        "name": cfg.name, "label": cfg.label(), "workload": cfg.workload, "reducer": cfg.reducer,
-        "density": None if cfg.reducer in ("dense", NOCOMM) + TORCH_DDP else cfg.density, "merge": cfg.merge,
-        "convergence": dict(cfg.convergence),
+        "name": cfg.name, "label": cfg.label(), "workload": cfg.workload,
+        # a DiLoCo row is not the per-step reducer's row (tables find dense SparseDDP by "dense")
+        "reducer": f"diloco-{cfg.reducer}" if cfg.local_steps.get("sync_every") else cfg.reducer,
+        "density": None if cfg.reducer in ("dense", NOCOMM) or cfg.is_torch_ddp else cfg.density, "merge": cfg.merge,
+        "convergence": dict(cfg.convergence), "local_steps": dict(cfg.local_steps),
         "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
         "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
         "best_accuracy": max((e["accuracy"] for e in evals), default=None),
@@ -450,7 +466,7 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         "median_step_s": med("step_s"), "median_compute_s": med("compute_s"), "median_select_s": med("select_s"),
         "median_comm_s": med("comm_s"), "median_wait_s": med("wait_s"),
         "mean_step_s": mean("step_s"), "mean_select_s": mean("select_s"),
-        "median_bytes_sent": med("bytes_sent"), "median_density": med("density"),
+        "median_bytes_sent": med("bytes_sent"), "mean_bytes_sent": mean("bytes_sent"), "median_density": med("density"),
         "final_train_loss": stt.mean([r["loss"] for r in rows[-10:]]) if rows else None,
         "evals": evals,
     }

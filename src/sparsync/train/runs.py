@@ -271,6 +271,7 @@ class TrainConfig:
     workload_options: dict = field(default_factory=dict)
     ddp_options: dict = field(default_factory=dict)   # extra SparseDDP keywords (nonfinite, unused, ...)
     convergence: dict = field(default_factory=dict)   # sparsync.convergence.GradientPolicy options
+    local_steps: dict = field(default_factory=dict)   # DiLoCo (sync_every, outer_lr, ...) / post-local SGD warmup
     workers: int = 4
     steps: int | None = None
     epochs: float | None = None
@@ -340,6 +341,8 @@ class TrainConfig:
     def fingerprint(self) -> str:
         """Hash of everything that determines the trajectory (not the step budget, name, network)."""
         d = {k: v for k, v in self.to_dict().items() if k not in _VOLATILE}
+        if not d["local_steps"]:  # runs without local steps keep the fingerprint they had before the field
+            del d["local_steps"]
         return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     @property
@@ -347,6 +350,13 @@ class TrainConfig:
         return self.reducer == "ddp" or self.reducer.startswith("ddp-")  # ddp-fp16, ddp-powersgd<rank>
 
     def label(self) -> str:
+        if self.local_steps or self.reducer.startswith("ddp-localsgd"):
+            from ..localsteps.trainer import label
+
+            return label(self, self._label())
+        return self._label()
+
+    def _label(self) -> str:
         if self.is_torch_ddp:
             return "torch " + self.reducer
         if self.reducer == "nocomm":
@@ -368,6 +378,8 @@ def _labelled(ddp_options: dict) -> dict:
 
 def default_name(cfg: TrainConfig) -> str:
     r = cfg.reducer if cfg.is_torch_ddp or cfg.reducer == "dense" else f"{cfg.reducer}-{cfg.density:g}"
+    if cfg.local_steps.get("sync_every"):
+        r = f"diloco{cfg.local_steps['sync_every']}-{r}"
     return f"{cfg.workload}-{r}-{cfg.merge.replace(':', '')}-P{cfg.workers}-s{cfg.seed}"
 
 

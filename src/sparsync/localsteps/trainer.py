@@ -1,0 +1,137 @@
+"""Local steps in ``sparsync train`` / ``compare``: configuration checks and the objects the loop uses.
+
+Two kinds of run (``TrainConfig.local_steps``, compare syntax in :mod:`sparsync.commands.compare`):
+
+* ``reducer="ddp-localsgd<H>"``: torch's post-local SGD (:mod:`.postlocal`), options ``warmup``
+  (synchronous steps before local SGD starts; default :data:`DEFAULT_WARMUP`);
+* any registered reducer with ``local_steps={"sync_every": H, ...}``: :class:`~.diloco.DiLoCo`
+  with that reducer for the pseudo-gradient, options ``outer_lr`` / ``outer_momentum`` (defaults
+  0.7 / 0.9, the DiLoCo paper's) and the run's reducer options.
+
+The training loop keeps its shape: it calls ``opt.zero_grad()``, ``fwd(x)``, ``backward()``,
+``opt.step()``; for DiLoCo ``opt.step()`` is ``DiLoCo.step`` (so the outer synchronisation is timed in
+the step where it happens), ``opt.state_dict()`` the inner optimizer's, and the engine (checkpointed
+as the run's sparsync state, ``last_stats`` read per step) the :class:`~.diloco.DiLoCo` object.
+"""
+
+from __future__ import annotations
+
+from .postlocal import bytes_per_rank, parse_period
+
+__all__ = ["DEFAULT_WARMUP", "DILOCO_KEYS", "LOCAL_KEYS", "check", "is_diloco", "is_local", "step_bytes", "wrap"]
+
+#: synchronous (all-reduce) steps before torch's post-local SGD starts its local steps
+DEFAULT_WARMUP = 1
+#: DiLoCo's keys of ``local_steps`` and their defaults (None: required)
+DILOCO_KEYS = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9}
+#: every key a compare configuration may give for local steps
+LOCAL_KEYS = (*DILOCO_KEYS, "warmup")
+
+
+def is_diloco(cfg) -> bool:
+    return bool(cfg.local_steps) and parse_period(cfg.reducer) is None
+
+
+def is_local(cfg) -> bool:
+    return is_diloco(cfg) or parse_period(cfg.reducer) is not None
+
+
+def check(cfg) -> None:
+    """ValueError (one line) for a local-steps configuration that cannot run; fills the defaults into
+    ``cfg.local_steps`` (so config.json and the label say what ran). No-op for other runs."""
+    period = parse_period(cfg.reducer)
+    ls = cfg.local_steps
+    if period is not None:
+        bad = sorted(set(ls) - {"warmup"})
+        if bad:
+            raise ValueError(f"{cfg.reducer!r} takes only warmup=N (torch's start_localSGD_iter), not {', '.join(bad)}")
+        w = ls.setdefault("warmup", DEFAULT_WARMUP)
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ValueError(f"{cfg.reducer!r}: warmup must be an integer >= 0, got {w!r}")
+        return
+    if not ls:
+        return
+    bad = sorted(set(ls) - set(DILOCO_KEYS))
+    if bad:
+        raise ValueError(f"local steps (DiLoCo) have no option {', '.join(bad)}; valid: {', '.join(DILOCO_KEYS)}")
+    if "sync_every" not in ls:
+        raise ValueError("local steps (DiLoCo) need sync_every=H")
+    if cfg.is_torch_ddp or cfg.reducer == "nocomm":
+        raise ValueError(f"sync_every applies to sparsync reducers (DiLoCo), not to {cfg.reducer!r}; torch's "
+                         "post-local SGD is ddp-localsgd<H>")
+    if cfg.convergence:
+        raise ValueError(f"convergence options ({', '.join(sorted(cfg.convergence))}) act on per-step gradients; "
+                         "they do not apply to DiLoCo's pseudo-gradient")
+    if cfg.ddp_options:
+        raise ValueError(f"SparseDDP keywords ({', '.join(sorted(cfg.ddp_options))}) do not apply to DiLoCo "
+                         "(no SparseDDP: one flat pseudo-gradient per outer step)")
+    if cfg.merge != "single":
+        raise ValueError(f"DiLoCo reduces one flat pseudo-gradient; merge must be 'single', got {cfg.merge!r}")
+    for k, v in DILOCO_KEYS.items():
+        if v is not None:
+            ls.setdefault(k, v)
+    H = ls["sync_every"]
+    if isinstance(H, bool) or not isinstance(H, int) or H < 1:
+        raise ValueError(f"sync_every must be a positive integer, got {H!r}")
+    if not (isinstance(ls["outer_lr"], (int, float)) and ls["outer_lr"] > 0):
+        raise ValueError(f"outer_lr must be > 0, got {ls['outer_lr']!r}")
+    if not (isinstance(ls["outer_momentum"], (int, float)) and 0 <= ls["outer_momentum"] < 1):
+        raise ValueError(f"outer_momentum must be in [0, 1), got {ls['outer_momentum']!r}")
+
+
+def label(cfg, base: str) -> str:
+    """The row's label: ``base`` is what the label would be without local steps."""
+    period = parse_period(cfg.reducer)
+    if period is not None:
+        return f"torch post-local SGD H={period} (warm-up {cfg.local_steps.get('warmup', DEFAULT_WARMUP)})"
+    from .diloco import default_reducer_options
+
+    ls = cfg.local_steps
+    outer = f"outer {ls.get('outer_lr', 0.7):g}/{ls.get('outer_momentum', 0.9):g}"
+    half = ", fp16 values" if default_reducer_options(cfg.reducer, cfg.reducer_options) != cfg.reducer_options else ""
+    return f"DiLoCo H={ls['sync_every']} {outer}{half}, {base}"
+
+
+class _StepThrough:
+    """The inner optimizer as the loop sees it, with ``step()`` going through DiLoCo."""
+
+    def __init__(self, dl):
+        self.dl, self.inner = dl, dl.inner_optimizer
+
+    def step(self, closure=None):
+        return self.dl.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, d):
+        self.inner.load_state_dict(d)
+
+
+def wrap(cfg, model, comm, inner):
+    """``(forward callable, engine, optimizer)`` for a local-steps run (:func:`is_local`)."""
+    period = parse_period(cfg.reducer)
+    if period is not None:
+        from .postlocal import post_local_sgd
+
+        ddp, opt = post_local_sgd(model, getattr(comm, "group", None), inner, period,
+                                  cfg.local_steps.get("warmup", DEFAULT_WARMUP))
+        return ddp, ddp, opt
+    from .diloco import DiLoCo
+
+    ls = cfg.local_steps
+    dl = DiLoCo(model, comm, inner, sync_every=ls["sync_every"], reducer=cfg.reducer, density=cfg.density,
+                outer_lr=ls.get("outer_lr", 0.7), outer_momentum=ls.get("outer_momentum", 0.9),
+                **cfg.reducer_options)
+    return model, dl, _StepThrough(dl)
+
+
+def step_bytes(cfg, numel: int, step: int) -> int | None:
+    """Bytes one rank sends at ``step`` of a ``ddp-localsgd<H>`` run; None for any other run."""
+    period = parse_period(cfg.reducer)
+    if period is None:
+        return None
+    return bytes_per_rank(step, period, cfg.local_steps.get("warmup", DEFAULT_WARMUP), numel, cfg.workers)

@@ -1,0 +1,135 @@
+"""The local-steps rows of ``sparsync train`` / ``compare``: ``ddp-localsgd<H>`` really is torch's
+post-local SGD (parameters agree across ranks during the warm-up and at averaging steps only), its
+wire accounting follows that schedule, and the configuration syntax (``diloco:H``,
+``<reducer>:<density>,sync_every=H``) parses and refuses bad input in one line."""
+
+import argparse
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.commands import UsageError
+from sparsync.commands.compare import parse_configs, plan
+from sparsync.localsteps import trainer as local
+from sparsync.localsteps.postlocal import averages_at, bytes_per_rank
+from sparsync.train.loop import validate
+from sparsync.train.runs import TrainConfig
+
+H, WARMUP, STEPS = 3, 2, 11
+
+
+def _post_local(comm):
+    torch.set_num_threads(1)
+    torch.manual_seed(comm.rank)  # different initial values: DDP's broadcast makes them equal
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    cfg = TrainConfig(reducer=f"ddp-localsgd{H}", workers=comm.world_size, local_steps={"warmup": WARMUP})
+    fwd, ddp, opt = local.wrap(cfg, model, comm, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    kinds = (type(ddp).__name__, type(opt).__name__, type(opt.averager).__name__)
+    same = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + comm.rank)
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(fwd(x), y).backward()
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        same.append(all(torch.equal(v, flat) for v in comm.allgather(flat.clone())))
+    return kinds, same
+
+
+def test_ddp_localsgd_is_torchs_post_local_sgd():
+    """torch's DDP + PostLocalSGDOptimizer + PeriodicModelAverager; with a warm-up of 2 and H = 3 the
+    ranks agree after the synchronous warm-up steps and after each averaging step, and differ
+    after every other step (local steps on different data)."""
+    for kinds, same in ss.run_local(_post_local, 3, backend="gloo", timeout=120):
+        assert kinds == ("DistributedDataParallel", "PostLocalSGDOptimizer", "PeriodicModelAverager")
+        expected = [s < WARMUP or averages_at(s, H, WARMUP) for s in range(STEPS)]
+        assert same == expected, (same, expected)
+        assert expected.count(False) >= 4  # the test sees local steps, not only synchronised ones
+
+
+def test_post_local_sgd_bytes_follow_the_schedule():
+    n, P = 1000, 4
+    ring = 2 * (P - 1) * n * 4 // P
+    got = [bytes_per_rank(s, H, WARMUP, n, P) for s in range(STEPS)]
+    assert got == [ring if (s < WARMUP or averages_at(s, H, WARMUP)) else 0 for s in range(STEPS)]
+    assert got[WARMUP] == ring and got[WARMUP + 1] == 0 and got[WARMUP + H] == ring
+
+
+# ------------------------------------------------------------------ configuration syntax
+def test_compare_syntax_for_local_steps():
+    c = parse_configs("diloco:16;micro:0.02,sync_every=8,outer_lr=0.5;ddp-localsgd8,warmup=3;ddp-localsgd4", 0.01,
+                      "single")
+    assert (c[0]["reducer"], c[0]["local"]) == ("dense", {"sync_every": 16})
+    assert (c[1]["reducer"], c[1]["density"], c[1]["local"], c[1]["options"]) == (
+        "micro", 0.02, {"sync_every": 8, "outer_lr": 0.5}, {})
+    assert (c[2]["reducer"], c[2]["local"]) == ("ddp-localsgd8", {"warmup": 3})
+    assert c[3]["local"] == {}
+    with pytest.raises(UsageError, match="diloco:H"):
+        parse_configs("diloco:x", 0.01, "single")
+
+
+def _args(configs):
+    return argparse.Namespace(
+        workload="digits-mlp", workers=2, bandwidth=None, loopback=True, thread=False, steps=5, epochs=None,
+        batch_size=None, lr=None, optimizer=None, target_accuracy=None, eval_every=None, seed=0, workload_option=None,
+        runs_dir="/nonexistent-never-created", force=False, no_progress=True, timeout=60.0, configs=configs,
+        density=0.01, merge="single", no_baselines=False, name=None, ddp_option=None)
+
+
+def test_compare_plan_keeps_dense_baseline_beside_dense_diloco():
+    _, cfgs = plan(_args("diloco:16;micro:0.05,sync_every=8;ddp-localsgd4"))
+    labels = [c.label() for c in cfgs]
+    assert labels[0].startswith("dense (") and any(lb.startswith("DiLoCo H=16") for lb in labels)
+    assert any(lb.startswith("DiLoCo H=8 outer 0.7/0.9, fp16 values, micro 0.05") for lb in labels)
+    assert "torch post-local SGD H=4 (warm-up 1)" in labels
+    assert len({c.name for c in cfgs}) == len(cfgs)
+
+
+@pytest.mark.parametrize("configs,msg", [
+    ("ddp-localsgd1", "period must be >= 2"),
+    ("ddp-localsgd4,sync_every=2", "takes only warmup"),
+    ("dense,outer_lr=0.5", "need sync_every"),
+    ("ddp,sync_every=4", "ddp-localsgd"),
+    ("micro:0.02,sync_every=4,momentum=0.9", "convergence options"),
+    ("micro:0.02,sync_every=4,merge=wfbp", "merge must be 'single'"),
+    ("micro:0.02,sync_every=0", "positive integer"),
+    ("diloco:8,outer_momentum=1", "outer_momentum"),
+])
+def test_bad_local_step_configurations_are_one_line_errors(configs, msg):
+    with pytest.raises(UsageError, match=msg):
+        plan(_args(configs))
+
+
+def test_train_config_validation_fills_defaults():
+    cfg = TrainConfig(reducer="topka", density=0.02, workers=2, local_steps={"sync_every": 4})
+    validate(cfg)
+    assert cfg.local_steps == {"sync_every": 4, "outer_lr": 0.7, "outer_momentum": 0.9}
+    assert cfg.name.startswith("digits-mlp-diloco4-topka-0.02")
+
+
+def test_trainer_resumes_a_sparse_diloco_run_bitwise_from_mid_cycle(tmp_path):
+    """``sparsync train --checkpoint-every 6 --resume`` with H = 4 (the checkpoint falls in the middle
+    of an outer cycle): the resumed run's losses and accuracies equal the uninterrupted run's."""
+    import json
+
+    from sparsync.train.loop import launch
+
+    def cfg(name, steps, **kw):
+        c = TrainConfig(workload="digits-mlp", workload_options={"width": 64}, reducer="topka", density=0.05,
+                        workers=2, steps=steps, eval_every=3, runs_dir=str(tmp_path), name=name, network="thread",
+                        progress=False, timeout=120, local_steps={"sync_every": 4}, **kw)
+        validate(c)
+        return c
+
+    def metrics(name):
+        rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"], r.get("accuracy"), r["bytes_sent"] > 0) for r in rows]
+
+    launch(cfg("straight", 12))
+    launch(cfg("split", 12, checkpoint_every=6))
+    (tmp_path / "split" / "checkpoints" / "latest").write_text("6\n")  # as if it died after step 6
+    launch(cfg("split", 12, checkpoint_every=6), resume=True)
+    assert metrics("straight") == metrics("split")
+    assert [m[3] for m in metrics("straight")] == [(s + 1) % 4 == 0 for s in range(12)]  # bytes only at syncs
