@@ -98,6 +98,10 @@ class _StepThrough:
     def __init__(self, dl):
         self.dl, self.inner = dl, dl.inner_optimizer
 
+    @property
+    def param_groups(self):  # the inner optimizer's: learning-rate schedules set them
+        return self.inner.param_groups
+
     def step(self, closure=None):
         return self.dl.step(closure)
 
