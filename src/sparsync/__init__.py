@@ -19,6 +19,7 @@ _LAZY = {
     "SparseVec": "sparse", "Comm": "comm", "Ledger": "comm", "run_local": "launch", "comm_from_env": "launch",
     "torchrun_main": "launch", "sparse_allreduce": "collectives", "make_reducer": "reducers",
     "Reducer": "reducers", "SparseDDP": "ddp", "ddp_hook": "ddp", "DDPHook": "ddp", "GradientPolicy": "convergence",
+    "site_layout": "sites",
 }
 
 __all__ = [*_LAZY, "__version__"]
