@@ -33,7 +33,8 @@ for ``S`` ranks and ``m`` elements (:meth:`HierReducer.predicted_cost`).
 
 Sites come from ``sites=`` (a layout ``[[0, 1], [2, 3]]`` or ``"2x2"``), else the environment
 (:func:`sparsync.site_layout`: the emulated cluster's topology, torchrun's nodes), resolved at the
-first call. Uneven sites are refused. Sub-groups come from :meth:`sparsync.comm.Comm.split` (on gloo
+first call; where nothing says, every rank is its own site (``s = 1``: the outer reducer, flat).
+``stats["sites"]`` names the layout used (``"SxR"``). Uneven sites are refused. Sub-groups come from :meth:`sparsync.comm.Comm.split` (on gloo
 every rank creates every group, at the first call, in the same order on all ranks).
 """
 
@@ -126,9 +127,8 @@ class HierReducer(Reducer):
     def _setup(self, n: int) -> None:
         P = self.comm.world_size
         layout = self.sites if self.sites is not None else site_layout(P)
-        if layout is None:
-            raise ValueError("hier needs a site layout: pass sites=[[0, 1], [2, 3]] or sites='2x2', run on an "
-                             "emulated cluster with --topology, or under torchrun (LOCAL_WORLD_SIZE, GROUP_RANK)")
+        if layout is None:  # nothing says: every rank its own site (the outer reducer, flat)
+            layout = [[r] for r in range(P)]
         self.layout = check_layout(layout, P)
         s = len(self.layout[0])
         self._site = self.comm.split(self.layout)
@@ -167,6 +167,7 @@ class HierReducer(Reducer):
         o = self._outer.stats
         self.stats.update(
             selected=o.get("selected", m), outer_density=o.get("density"), inner=self.inner, outer=self.outer_name,
+            sites=f"{len(self.layout)}x{s}",
             intra_bytes=intra["bytes_sent"], intra_bytes_received=intra["bytes_received"],
             intra_rounds=intra["rounds"], inter_bytes=inter["bytes_sent"],
             inter_bytes_received=inter["bytes_received"], inter_rounds=inter["rounds"],
