@@ -213,16 +213,28 @@ class HierReducer(Reducer):
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, sites=None, outer="micro", **options):
-        """Per rank, by level: ``{"intra": {...}, "inter": {...}}`` (module docstring), ``sites`` a layout
-        or ``"SxR"``; the inter level is the outer reducer's formula on ``S`` ranks and ``m`` elements
-        (None where it has none)."""
-        layout = site_layout(P, sites)
+        """Per rank: the totals ``{"rounds", "bytes_received"}`` and the same by level, ``"intra"`` and
+        ``"inter"`` (module docstring); ``sites`` a layout or ``"SxR"`` (None: one rank per site). The
+        inter level is the outer reducer's formula on ``S`` ranks and ``m`` elements with ``k`` scaled
+        to the shard (``density=`` instead gives it exactly); None where the outer reducer has none."""
+        layout = site_layout(P, sites, env={}) or [[r] for r in range(P)]
         S, s = len(layout), len(layout[0])
         m = -(-n // s)
         density = options.pop("density", None)
-        km = max(1, int(round(density * m))) if density is not None else (k or m)
+        km = max(1, int(round(density * m))) if density is not None else max(1, -(-(k or n) // s))
         intra = {"rounds": 2 * (s - 1), "bytes_received": 2 * (s - 1) * m * value_bytes,
                  "bytes_sent": 2 * (s - 1) * m * value_bytes}
         inter = REDUCERS.lookup(outer).predicted_cost(S, m, km, value_bytes=value_bytes, index_bytes=index_bytes,
                                                       **options)
-        return {"intra": intra, "inter": inter}
+        if inter is None:
+            return None
+
+        def add(a, b):
+            if isinstance(a, tuple) or isinstance(b, tuple):
+                a, b = (a if isinstance(a, tuple) else (a, a)), (b if isinstance(b, tuple) else (b, b))
+                return (a[0] + b[0], a[1] + b[1])
+            return a + b
+
+        return {"rounds": add(intra["rounds"], inter["rounds"]),
+                "bytes_received": add(intra["bytes_received"], inter["bytes_received"]),
+                "intra": intra, "inter": inter}
