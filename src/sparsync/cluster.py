@@ -84,7 +84,9 @@ __all__ = [
     "parse_bandwidth",
     "run_emulated",
     "Links",
+    "change_rate",
     "links_from_env",
+    "parse_rate_schedule",
 ]
 
 PREFIX = "ssync"
@@ -462,6 +464,39 @@ def links_from_env(env=None) -> Links | None:
         return None
     base, world, sites = v.rsplit(":", 2)
     return Links(base, int(world), int(sites))
+
+
+def parse_rate_schedule(spec: str | None) -> dict[int, int | None]:
+    """``"50:100mbit,120:1gbit"`` -> ``{50: 100_000_000, 120: 1_000_000_000}`` (``none``: no limit);
+    ValueError in one line for anything else."""
+    out: dict[int, int | None] = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        step, sep, rate = item.partition(":")
+        try:
+            k = int(step)
+        except ValueError:
+            k = -1
+        if not sep or k < 0:
+            raise ValueError(f"--rate-schedule: expected STEP:RATE[,STEP:RATE...] (e.g. 50:100mbit), got {item!r}")
+        if k in out:
+            raise ValueError(f"--rate-schedule: step {k} is given twice")
+        out[k] = parse_bandwidth(rate)
+    return out
+
+
+def change_rate(comm, rate, link="inter") -> None:
+    """Collective (every rank calls it at the same point): rank 0 sets ``link`` of the emulated cluster
+    the ranks run on to ``rate`` (:func:`links_from_env`), between two barriers, so no rank sends
+    across the change. Raises ClusterUnavailable outside an emulated cluster."""
+    comm.barrier()
+    if comm.rank == 0:
+        links = links_from_env()
+        if links is None:
+            raise ClusterUnavailable("a link rate can change only on the emulated cluster (--bandwidth / --topology)")
+        links.set_rate(link, rate)
+    comm.barrier()
 
 
 def _as_topology(topology, world_size: int, bandwidth):

@@ -93,6 +93,8 @@ def validate(cfg: TrainConfig):
                              "it does not apply to --optimizer adam")
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
+    if cfg.rate_schedule:
+        _check_rate_schedule(cfg)
     if cfg.convergence:  # what the run will use, as its label and config.json say
         cfg.convergence = policy_options(cfg)
     if cfg.steps < 1:
@@ -102,6 +104,18 @@ def validate(cfg: TrainConfig):
     if not isinstance(cfg.keep_checkpoints, int) or cfg.keep_checkpoints < 0:
         raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints!r}")
     return wl
+
+
+def _check_rate_schedule(cfg: TrainConfig) -> None:
+    from ..cluster import parse_rate_schedule
+
+    sched = parse_rate_schedule(cfg.rate_schedule)
+    if cfg.network in ("loopback", "thread", "torchrun", "none"):
+        raise ValueError(f"--rate-schedule changes the emulated network's rates; the network here is {cfg.network!r} "
+                         "(use --bandwidth RATE or --topology SxR --intra RATE --inter RATE)")
+    late = [k for k in sched if k >= cfg.steps]
+    if late:
+        raise ValueError(f"--rate-schedule: step {min(late)} is not before the run's last step ({cfg.steps} steps)")
 
 
 def check_network(network: str) -> None:
@@ -254,6 +268,19 @@ def _ddp_bytes(cfg: TrainConfig, model: nn.Module) -> int:
     return int(2 * (P - 1) * values * vb // P)
 
 
+def _rate_schedule(cfg: TrainConfig, start: int) -> dict:
+    """{step: bits/s} of ``--rate-schedule``; on resume the latest change before ``start`` applies at it."""
+    if not cfg.rate_schedule:
+        return {}
+    from ..cluster import parse_rate_schedule
+
+    sched = parse_rate_schedule(cfg.rate_schedule)
+    earlier = [k for k in sched if k < start]
+    if earlier and start not in sched:
+        sched[start] = sched[max(earlier)]
+    return sched
+
+
 def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict | None,
                  record_losses: bool = True) -> dict:
     """Run one rank of a training run; rank 0 writes metrics. Returns a summary dict (with the
@@ -295,8 +322,13 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     losses, rows = [], []
     comm.barrier()
     last_acc = evals[-1]["accuracy"] if evals else None
+    rates = _rate_schedule(cfg, start)
     try:
         for step in range(start, cfg.steps):
+            if step in rates:  # the emulated inter-host links change rate before this step (a collective)
+                from ..cluster import change_rate
+
+                change_rate(comm, rates[step])
             x, y = wl.batch(step, rank, P, cfg.batch_size, cfg.seed)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
