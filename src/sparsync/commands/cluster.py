@@ -92,7 +92,9 @@ def _smoke(args) -> int:
           f"median {t * 1e3:.1f} ms (max over ranks, {args.repeats} repeats)")
     for (src, dst) in pairs:
         ts = statistics.median(res[dst][2][src, dst])
-        where = ("between sites" if topo.site_of(src) != topo.site_of(dst) else "inside a site") if topo else "host link"
+        where = "host link"
+        if topo:
+            where = "between sites" if topo.site_of(src) != topo.site_of(dst) else "inside a site"
         print(f"stream rank {src} -> rank {dst} ({where}): {n * 4 / 1e6:.1f} MB in {ts * 1e3:.1f} ms = "
               f"{n * 32 / ts / 1e9:.3f} Gbit/s (median of {args.repeats}, at the receiver)")
     if topo is not None:

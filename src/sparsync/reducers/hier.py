@@ -34,8 +34,9 @@ for ``S`` ranks and ``m`` elements (:meth:`HierReducer.predicted_cost`).
 Sites come from ``sites=`` (a layout ``[[0, 1], [2, 3]]`` or ``"2x2"``), else the environment
 (:func:`sparsync.site_layout`: the emulated cluster's topology, torchrun's nodes), resolved at the
 first call; where nothing says, every rank is its own site (``s = 1``: the outer reducer, flat).
-``stats["sites"]`` names the layout used (``"SxR"``). Uneven sites are refused. Sub-groups come from :meth:`sparsync.comm.Comm.split` (on gloo
-every rank creates every group, at the first call, in the same order on all ranks).
+``stats["sites"]`` names the layout used (``"SxR"``). Uneven sites are refused. Sub-groups come from
+:meth:`sparsync.comm.Comm.split` (on gloo every rank creates every group, at the first call, in the
+same order on all ranks).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class HierReducer(Reducer):
     def __init__(self, comm, density: float = 0.01, inner: str = "dense", outer: str = "micro", sites=None,
                  value_dtype: str = "fp32", nonfinite: str = "error", **outer_options):
         if inner not in INNER:
-            raise ValueError(f"hier: inner must be one of {', '.join(INNER)} (a lossless reduce-scatter), got {inner!r}")
+            raise ValueError(f"hier: inner must be one of {', '.join(INNER)} (a lossless reduce-scatter), "
+                             f"got {inner!r}")
         if outer == "hier":
             raise ValueError("hier: outer cannot be 'hier' itself")
         outer_cls = REDUCERS.lookup(outer)
