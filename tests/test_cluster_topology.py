@@ -7,17 +7,14 @@ import os
 
 import pytest
 import torch
+from test_cluster_netns import _ours
 
 import sparsync as ss
 from sparsync.cli import main
-from sparsync.cluster import EmulatedCluster, change_rate, list_namespaces, parse_rate_schedule
+from sparsync.cluster import EmulatedCluster, change_rate, parse_rate_schedule
 from sparsync.sites import Topology
 
 M, G = 10**6, 10**9
-
-
-def _ours(cl_base):
-    return [n for n in list_namespaces() if n.startswith(cl_base)]
 
 
 def _rank(comm):

@@ -5,22 +5,25 @@ with a dense outer reducer and bitwise identical on every rank for two layouts, 
 import torch
 from torch import nn
 
+from test_engine_ddp import _batch
+from test_engine_ddp import _flat_params as _params
+
 import sparsync as ss
 from sparsync.reducers.registry import make_reducer
 
 
 def _model():
     torch.manual_seed(3)
-    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 4))
+    return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 4))  # _batch's 12 inputs, 4 outputs
 
 
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
-
-
-def _params(m):
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+def _train(fwd, params, rank, steps=4):
+    opt = torch.optim.SGD(params, lr=0.1)
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        nn.functional.mse_loss(fwd(x), y).backward()
+        opt.step()
 
 
 def _suite(comm):
@@ -40,24 +43,14 @@ def _suite(comm):
     os.environ["SPARSYNC_SITES"] = "0,1;2,3"
     m = _model()
     ddp = ss.SparseDDP(m, comm, reducer="hier", density=0.1, reducer_options={"outer": "micro"})
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    for step in range(4):
-        x, y = _batch(comm.rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
+    _train(ddp, m.parameters(), comm.rank)
     out["sparseddp"] = _params(m)
     out["sparseddp_stats"] = dict(ddp.last_stats)
     ddp.close()
     # torch DDP + the hook
     m2 = nn.parallel.DistributedDataParallel(_model())
     m2.register_comm_hook(None, ss.ddp_hook("hier", density=0.1, module=m2, outer="topka", sites="2x2"))
-    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
-    for step in range(4):
-        x, y = _batch(comm.rank, step)
-        opt2.zero_grad()
-        nn.functional.mse_loss(m2(x), y).backward()
-        opt2.step()
+    _train(m2, m2.parameters(), comm.rank)
     out["hook"] = _params(m2.module)
     return out
 
