@@ -160,7 +160,8 @@ def _reducers(args) -> int:
         write_csv(args.csv, rows, ["network", "world_size", "numel", "pattern", "residual", "target_density",
                                    "reducer", "select_s",
                                    "comm_s", "total_s", "wall_s", "speedup", "bytes_sent", "bytes_received",
-                                   "rounds", "messages", "density", "selected", "steps", "total_s_all"])
+                                   "rounds", "messages", "density", "selected", "steps", "total_s_all",
+                                   "intra_bytes", "inter_bytes"])
         print(f"wrote {args.csv}")
     return 0
 

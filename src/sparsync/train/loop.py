@@ -345,6 +345,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             if not math.isfinite(lv):
                 raise FloatingPointError(f"loss became {lv} at step {step}; lower --lr or check the reducer")
             rec = _step_record(cfg, model, ddp, numel, step, lv, train_time, (t0, t1, t2, t3))
+            if step in rates:
+                rec["inter_rate_bits"] = rates[step]  # the emulated rate changed before this step
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 ev = wl.evaluate(model)
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
