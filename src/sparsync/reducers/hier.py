@@ -189,8 +189,8 @@ class HierReducer(Reducer):
         handles = site.post([(i, x[i * m:(i + 1) * m]) for i in peers], [(i, m, x.dtype) for i in peers])
         parts = {i: h.wait() for i, h in zip(peers, handles)}
         parts[j] = mine
-        total = parts[0].clone()
-        for i in range(1, s):
+        total = torch.add(parts[0], parts[1])  # one pass writes the first sum (no copy of parts[0])
+        for i in range(2, s):
             total += parts[i]
         return total
 
