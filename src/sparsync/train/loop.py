@@ -413,7 +413,7 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
         rec.update(bytes_sent=nb, bytes_received=nb, density=1.0, selected=numel, numel=numel, compute_s=None)
         return rec
     st = dict(getattr(ddp, "last_stats", {}) or {})
-    for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
+    for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected", "intra_bytes", "inter_bytes",
               "numel", "density", "groups", *_BREAKDOWN_KEYS,
               *(k for k in st if k.startswith("reducer_") and k not in _BREAKDOWN_KEYS)):
         if k in st:
