@@ -1,8 +1,9 @@
 """flat reducer vs hier (inner dense, outer = the same reducer), same density, alternated call by call on one
 process group of the emulated 2x2 cluster; per call the max over ranks, then the median.
 usage: ab.py NETWORK:REDUCER[:STEPS] ..."""
-import statistics, sys, time
-import torch
+import statistics
+import sys
+import time
 from sparsync.bench.reducers import bench_grads
 from sparsync.cluster import run_emulated
 from sparsync.reducers.registry import make_reducer
@@ -21,7 +22,8 @@ def worker(comm, base, steps):
             r.reduce(g)
             dt = time.perf_counter() - t0
             if step >= WARM:
-                out[name].append((dt, r.stats.get("bytes_sent"), r.stats.get("inter_bytes"), r.stats.get("intra_bytes")))
+                st = r.stats
+                out[name].append((dt, st.get("bytes_sent"), st.get("inter_bytes"), st.get("intra_bytes")))
     return out
 
 for spec in sys.argv[1:]:
@@ -33,7 +35,7 @@ for spec in sys.argv[1:]:
         per = [max(res[r][name][i][0] for r in range(4)) for i in range(steps)]
         row[name] = statistics.median(per)
         b = res[0][name][-1]
-        print(f"{net} {name}{'(outer ' + base + ')' if name == 'hier' else ' flat'}: median {row[name]*1e3:.1f} ms "
-              f"(calls {min(per)*1e3:.0f}-{max(per)*1e3:.0f}), rank 0 sent {b[1]/1e6:.2f} MB, inter {b[2]}, intra {b[3]}",
-              flush=True)
+        what = f"hier(outer {base})" if name == "hier" else f"{base} flat"
+        print(f"{net} {what}: median {row[name]*1e3:.1f} ms (calls {min(per)*1e3:.0f}-{max(per)*1e3:.0f}), "
+              f"rank 0 sent {b[1]/1e6:.2f} MB, inter {b[2]}, intra {b[3]}", flush=True)
     print(f"{net} {base}: hier / flat = {row['hier']/row[base]:.2f}", flush=True)
