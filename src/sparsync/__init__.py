@@ -20,6 +20,7 @@ _LAZY = {
     "torchrun_main": "launch", "sparse_allreduce": "collectives", "make_reducer": "reducers",
     "Reducer": "reducers", "SparseDDP": "ddp", "ddp_hook": "ddp", "DDPHook": "ddp", "GradientPolicy": "convergence",
     "DiLoCo": "localsteps",
+    "site_layout": "sites",
 }
 
 __all__ = [*_LAZY, "__version__"]

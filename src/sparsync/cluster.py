@@ -66,6 +66,8 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .sites import SITES_ENV, format_layout, is_topology_spec
+
 if TYPE_CHECKING:
     from typing_extensions import Self
 
@@ -84,15 +86,21 @@ __all__ = [
     "open_network",
     "parse_bandwidth",
     "run_emulated",
+    "Links",
+    "change_rate",
+    "links_from_env",
+    "parse_rate_schedule",
 ]
 
 PREFIX = "ssync"
 SUBNET_BASE = "10.157"  # 10.157.<s>.0/24, s in 1..254, never routed anywhere
 IFNAME = "eth0"
 BRIDGE = "br0"
+UPLINK = "wan"  # a site bridge's end of its uplink to the inter-site bridge (whose end is ``s<site>``)
+NETNS_ENV = "SPARSYNC_NETNS"  # set by placement: "<base>:<world size>:<sites>", for rate changes from a rank
 NETNS_DIR = "/var/run/netns"
 _LOCK_DIR = "/run/sparsync"  # root-only, not the world-writable /tmp (no planted links)
-_NAME_RE = re.compile(rf"^{PREFIX}(\d+)s(\d+)(r\d+|br)$")
+_NAME_RE = re.compile(rf"^{PREFIX}(\d+)s(\d+)(r\d+|br|b\d+)$")  # rank, core bridge, site bridge
 _RANK_PROC_RE = re.compile(r"^ss(\d+)r(\d+)$")  # launch.rank_process_name
 _STORE_RE = re.compile(r"^sparsync-store-(\d+)-")  # launch.STORE_PREFIX + launcher pid
 _CLONE_NEWNET = 0x40000000  # <linux/sched.h>: setns() into a network namespace
@@ -388,6 +396,152 @@ def _lock_file():
     return os.fdopen(fd, "r+")
 
 
+# ---------------------------------------------------------------------- shaped links
+def _tbf_params(bandwidth: int, burst_bytes: int | None = None, limit_bytes: int | None = None) -> tuple[int, int]:
+    """(burst, limit) bytes of the tbf at ``bandwidth`` bits/s (module docstring)."""
+    rate_Bps = bandwidth / 8
+    burst = burst_bytes or max(_TSO_MAX + _ETH_FRAME, int(rate_Bps * _BURST_S))
+    limit = limit_bytes or max(4 * burst, int(rate_Bps * _QUEUE_S))
+    return burst, limit
+
+
+_TC_RATE_RE = re.compile(r"\btbf\b.*?\brate (\d+(?:\.\d+)?)([KMG]?)bit", re.S)
+
+
+class Links:
+    """The shaped links of one emulated cluster, addressed by name (usable from any process that can
+    see ``/var/run/netns``, e.g. a rank: :func:`links_from_env`):
+
+    * ``"inter"``: with sites, every site's uplink (both ends); flat, every host link (the links between hosts);
+    * ``"intra"``: every rank's link to its switch (both ends); ``"all"``: both;
+    * ``"site<a>"``: site a's uplink; an int ``r``: rank r's link.
+
+    :meth:`set_rate` replaces the tbf qdisc on both ends of each named link (``rate=None``: removes it,
+    no limit); packets already queued drain at the old rate, new ones at the new. :meth:`rates` reads
+    back what tc reports (``tc qdisc show``), keyed ``"<namespace suffix>:<device>"``.
+    """
+
+    def __init__(self, base: str, world_size: int, sites: int = 0, burst_bytes: int | None = None,
+                 limit_bytes: int | None = None):
+        self.base, self.world_size, self.sites = base, int(world_size), int(sites)
+        self.burst_bytes, self.limit_bytes = burst_bytes, limit_bytes
+
+    def env(self) -> str:
+        return f"{self.base}:{self.world_size}:{self.sites}"
+
+    def _host_ends(self, r: int) -> list[tuple[str, str]]:
+        br = f"b{r // (self.world_size // self.sites)}" if self.sites else "br"
+        return [(f"r{r}", IFNAME), (br, f"v{r}")]
+
+    def _uplink_ends(self, a: int) -> list[tuple[str, str]]:
+        return [(f"b{a}", UPLINK), ("br", f"s{a}")]
+
+    def ends(self, link="inter") -> list[tuple[str, str]]:
+        """``(namespace suffix, device)`` of both ends of every link named ``link`` (class docstring)."""
+        hosts = [e for r in range(self.world_size) for e in self._host_ends(r)]
+        uplinks = [e for a in range(self.sites) for e in self._uplink_ends(a)]
+        if isinstance(link, int) and not isinstance(link, bool):
+            if not 0 <= link < self.world_size:
+                raise ValueError(f"link: rank {link} is not in [0, {self.world_size})")
+            return self._host_ends(link)
+        if link == "inter":
+            return uplinks if self.sites else hosts
+        if link == "intra":
+            return hosts
+        if link == "all":
+            return hosts + uplinks
+        m = re.match(r"^site(\d+)$", str(link))
+        if m and int(m.group(1)) < self.sites:
+            return self._uplink_ends(int(m.group(1)))
+        raise ValueError(f"unknown link {link!r}: use 'inter', 'intra', 'all', a rank number, or 'site<a>' "
+                         f"(a < {self.sites})" if self.sites else f"unknown link {link!r}: use 'inter', 'intra', "
+                         "'all' or a rank number (this cluster has no sites)")
+
+    def set_rate(self, link="inter", rate=None) -> None:
+        bits = parse_bandwidth(rate)
+        for suffix, dev in self.ends(link):
+            ns = self.base + suffix
+            if bits is None:
+                subprocess.run(["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"], check=False,
+                               capture_output=True, timeout=30)  # no qdisc there already: nothing to do
+                continue
+            burst, limit = _tbf_params(bits, self.burst_bytes, self.limit_bytes)
+            _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{bits}bit",
+                  "burst", str(burst), "limit", str(limit)],
+                 f"limiting {ns}:{dev} to {format_bandwidth(bits)} (is sch_tbf available?)")
+
+    def rates(self, link="all") -> dict[str, int | None]:
+        """``{"<ns suffix>:<dev>": bits/s or None}`` as tc reports it now."""
+        out = {}
+        for suffix, dev in self.ends(link):
+            text = _run(["tc", "-n", self.base + suffix, "qdisc", "show", "dev", dev], "reading a qdisc")
+            m = _TC_RATE_RE.search(text)
+            out[f"{suffix}:{dev}"] = (None if m is None else
+                                      int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)]))
+        return out
+
+
+def links_from_env(env=None) -> Links | None:
+    """The :class:`Links` of the emulated cluster this rank runs on (``SPARSYNC_NETNS``, set by its
+    placement), or None outside one."""
+    v = (os.environ if env is None else env).get(NETNS_ENV)
+    if not v:
+        return None
+    base, world, sites = v.rsplit(":", 2)
+    return Links(base, int(world), int(sites))
+
+
+def parse_rate_schedule(spec: str | None) -> dict[int, int | None]:
+    """``"50:100mbit,120:1gbit"`` -> ``{50: 100_000_000, 120: 1_000_000_000}`` (``none``: no limit);
+    ValueError in one line for anything else."""
+    out: dict[int, int | None] = {}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        step, sep, rate = item.partition(":")
+        try:
+            k = int(step)
+        except ValueError:
+            k = -1
+        if not sep or k < 0:
+            raise ValueError(f"--rate-schedule: expected STEP:RATE[,STEP:RATE...] (e.g. 50:100mbit), got {item!r}")
+        if k in out:
+            raise ValueError(f"--rate-schedule: step {k} is given twice")
+        out[k] = parse_bandwidth(rate)
+    return out
+
+
+def change_rate(comm, rate, link="inter") -> None:
+    """Collective (every rank calls it at the same point): rank 0 sets ``link`` of the emulated cluster
+    the ranks run on to ``rate`` (:func:`links_from_env`), between two barriers, so no rank sends
+    across the change. Raises ClusterUnavailable outside an emulated cluster."""
+    comm.barrier()
+    if comm.rank == 0:
+        links = links_from_env()
+        if links is None:
+            raise ClusterUnavailable("a link rate can change only on the emulated cluster (--bandwidth / --topology)")
+        links.set_rate(link, rate)
+    comm.barrier()
+
+
+def _as_topology(topology, world_size: int, bandwidth):
+    """``topology`` (a :class:`~sparsync.sites.Topology` or its spec string) checked against the world
+    size, or None; a bandwidth beside a topology is refused (``intra`` / ``inter`` say the rates)."""
+    if topology is None:
+        return None
+    from .sites import Topology
+
+    topo = Topology.from_spec(topology) if isinstance(topology, str) else topology
+    if not isinstance(topo, Topology):
+        raise ValueError(f"topology must be a sparsync.sites.Topology or a spec like '2x2@10gbit/200mbit', "
+                         f"got {topology!r}")
+    if topo.world_size != world_size:
+        raise ValueError(f"topology {topo.spec()} has {topo.world_size} ranks, not world_size={world_size}")
+    if bandwidth is not None:
+        raise ValueError("give either bandwidth (flat) or topology (its intra and inter rates), not both")
+    return topo
+
+
 # ---------------------------------------------------------------------- the cluster
 class EmulatedCluster:
     """``world_size`` network namespaces behind a bridge, links optionally rate-limited with tbf.
@@ -401,11 +555,12 @@ class EmulatedCluster:
     """
 
     def __init__(self, world_size: int, bandwidth=None, fallback_loopback: bool = False,
-                 burst_bytes: int | None = None, limit_bytes: int | None = None):
+                 burst_bytes: int | None = None, limit_bytes: int | None = None, topology=None):
         if not isinstance(world_size, int) or not 1 <= world_size <= _MAX_RANKS:
             raise ValueError(f"world_size must be an integer in [1, {_MAX_RANKS}], got {world_size!r}")
         self.world_size = world_size
-        self.bandwidth = link_bandwidth(bandwidth)
+        self.topology = _as_topology(topology, world_size, bandwidth)
+        self.bandwidth = self.topology.intra if self.topology else link_bandwidth(bandwidth)
         self.fallback_loopback = bool(fallback_loopback)
         self.burst_bytes = burst_bytes
         self.limit_bytes = limit_bytes
@@ -456,13 +611,37 @@ class EmulatedCluster:
         return self
 
     def placement(self, rank: int) -> dict:
-        """Enter rank ``rank``'s namespace (call in the rank's own, freshly forked process)."""
+        """Enter rank ``rank``'s namespace (call in the rank's own, freshly forked process).
+
+        Returns the rank's environment: ``GLOO_SOCKET_IFNAME``; with a topology also
+        ``SPARSYNC_SITES`` (the layout, :func:`sparsync.sites.site_layout` reads it); and
+        ``SPARSYNC_NETNS``, with which :func:`links_from_env` lets a rank change link rates mid-run."""
+        sites = {SITES_ENV: format_layout(self.topology.layout)} if self.topology else {}
         if not self.emulated:
-            return {"GLOO_SOCKET_IFNAME": "lo"}
+            return {"GLOO_SOCKET_IFNAME": "lo", **sites}
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is not in [0, {self.world_size})")
         _setns(os.path.join(NETNS_DIR, self.namespaces[rank]))
-        return {"GLOO_SOCKET_IFNAME": IFNAME}
+        return {"GLOO_SOCKET_IFNAME": IFNAME, NETNS_ENV: self.links.env(), **sites}
+
+    @property
+    def links(self) -> Links:
+        """The shaped links of this instance (:class:`Links`: ``set_rate``, ``rates``)."""
+        if not self.emulated:
+            raise ClusterUnavailable("no emulated links: the cluster is not started (or runs on loopback)")
+        return self._make_links()
+
+    def _make_links(self) -> Links:
+        return Links(self.base, self.world_size, self.topology.sites if self.topology else 0,
+                     self.burst_bytes, self.limit_bytes)
+
+    def set_rate(self, link="inter", rate=None) -> None:
+        """Change link rates now, while ranks run (``tc qdisc replace``; :meth:`Links.set_rate`)."""
+        self.links.set_rate(link, rate)
+
+    def rates(self, link="all") -> dict[str, int | None]:
+        """The rate tc reports for every end of the links named ``link`` (:meth:`Links.rates`)."""
+        return self.links.rates(link)
 
     def address(self, rank: int) -> str:
         return f"{self.subnet}.{rank + 1}"
@@ -492,12 +671,15 @@ class EmulatedCluster:
                           + " - run `sparsync cluster cleanup`", RuntimeWarning, stacklevel=2)
 
     def ns_exec(self, rank: int | str, *cmd: str) -> str:
-        """Run a command inside a rank's namespace (or ``"br"``: the bridge's); returns stdout."""
-        ns = self.bridge_ns if rank == "br" else self.namespaces[int(rank)]
+        """Run a command inside a rank's namespace (``"br"``: the (inter-site) bridge's, ``"b<site>"``: a
+        site bridge's); returns stdout."""
+        ns = self.base + rank if isinstance(rank, str) else self.namespaces[int(rank)]
         return _run(["ip", "netns", "exec", ns, *cmd], f"running {cmd[0]} in {ns}")
 
     def __repr__(self) -> str:
         net = f"{self.subnet}.0/24 via {self.bridge_ns}" if self.emulated else "loopback"
+        if self.topology:
+            return f"EmulatedCluster(world_size={self.world_size}, topology={self.topology.spec()}, {net})"
         return f"EmulatedCluster(world_size={self.world_size}, bandwidth={format_bandwidth(self.bandwidth)}, {net})"
 
     # -------------------------------------------------------------- internals
@@ -510,10 +692,7 @@ class EmulatedCluster:
         self.emulated = False
 
     def _tbf_params(self) -> tuple[int, int]:
-        rate_Bps = self.bandwidth / 8
-        burst = self.burst_bytes or max(_TSO_MAX + _ETH_FRAME, int(rate_Bps * _BURST_S))
-        limit = self.limit_bytes or max(4 * burst, int(rate_Bps * _QUEUE_S))
-        return burst, limit
+        return _tbf_params(self.bandwidth, self.burst_bytes, self.limit_bytes)
 
     def _build(self) -> None:
         os.makedirs(NETNS_DIR, exist_ok=True)
@@ -529,15 +708,24 @@ class EmulatedCluster:
             self.subnet = f"{SUBNET_BASE}.{s}"
             self.bridge_ns = self.base + "br"
             self.namespaces = [f"{self.base}r{r}" for r in range(self.world_size)]
-            for ns in [self.bridge_ns] + self.namespaces:  # names claimed under the lock
+            site_ns = [f"{self.base}b{a}" for a in range(self.topology.sites)] if self.topology else []
+            for ns in [self.bridge_ns] + site_ns + self.namespaces:  # names claimed under the lock
                 _run(["ip", "netns", "add", ns], "creating network namespace")
                 self._created.append(ns)
-        br = self.bridge_ns
-        _run(["ip", "-n", br, "link", "set", "lo", "up"], "bridge namespace lo")
-        _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"], "creating the bridge")
-        _run(["ip", "-n", br, "link", "set", BRIDGE, "up"], "bringing the bridge up")
+        for br in [self.bridge_ns] + site_ns:
+            _run(["ip", "-n", br, "link", "set", "lo", "up"], "bridge namespace lo")
+            _run(["ip", "-n", br, "link", "add", BRIDGE, "type", "bridge"], "creating the bridge")
+            _run(["ip", "-n", br, "link", "set", BRIDGE, "up"], "bringing the bridge up")
+        for a, sb in enumerate(site_ns):  # site a's uplink: "up" on its bridge <-> "s<a>" on the inter-site bridge
+            _run(["ip", "-n", sb, "link", "add", UPLINK, "type", "veth", "peer", "name", f"s{a}",
+                  "netns", self.bridge_ns], f"creating site {a}'s uplink")
+            _run(["ip", "-n", sb, "link", "set", UPLINK, "master", BRIDGE, "up"], f"site {a}'s uplink")
+            _run(["ip", "-n", self.bridge_ns, "link", "set", f"s{a}", "master", BRIDGE, "up"], f"site {a}'s uplink")
+        if self.topology and self.topology.inter is not None:
+            self._make_links().set_rate("inter", self.topology.inter)
         for r, ns in enumerate(self.namespaces):
             port = f"v{r}"
+            br = site_ns[self.topology.site_of(r)] if self.topology else self.bridge_ns
             _run(["ip", "-n", br, "link", "add", port, "type", "veth", "peer", "name", IFNAME, "netns", ns],
                  f"creating the veth pair of rank {r}")
             _run(["ip", "-n", br, "link", "set", port, "master", BRIDGE, "up"], f"attaching rank {r} to the bridge")
@@ -585,6 +773,8 @@ def open_network(network: str, world_size: int, fallback_loopback: bool = False)
     emulated links without a limit)."""
     if network == "loopback":
         return Loopback(world_size)
+    if is_topology_spec(network):
+        return EmulatedCluster(world_size, topology=network, fallback_loopback=fallback_loopback)
     return EmulatedCluster(world_size, bandwidth=network, fallback_loopback=fallback_loopback)
 
 
@@ -595,10 +785,19 @@ def network_label(network: str, net) -> str:
 
 
 def run_emulated(fn: Callable, world_size: int, *args, bandwidth="1gbit", fallback_loopback: bool = False,
-                 timeout: float = 300.0, **kwargs) -> list:
-    """``run_local(fn, world_size, *args, backend="gloo", **kwargs)`` on a fresh EmulatedCluster."""
+                 timeout: float = 300.0, topology=None, **kwargs) -> list:
+    """``run_local(fn, world_size, *args, backend="gloo", **kwargs)`` on a fresh EmulatedCluster.
+
+    ``topology`` (a :class:`~sparsync.sites.Topology` or ``"2x2@10gbit/200mbit"``; a ``bandwidth``
+    string of that form means the same): sites with their own switch joined by shaped uplinks,
+    instead of one switch at ``bandwidth``."""
     from .launch import run_local
 
-    with EmulatedCluster(world_size, bandwidth=bandwidth, fallback_loopback=fallback_loopback) as cl:
+    if topology is None and is_topology_spec(bandwidth):
+        topology = bandwidth
+    if topology is not None:
+        bandwidth = None
+    with EmulatedCluster(world_size, bandwidth=bandwidth, fallback_loopback=fallback_loopback,
+                         topology=topology) as cl:
         return run_local(fn, world_size, *args, backend="gloo", timeout=timeout, placement=cl.placement,
                          **kwargs)

@@ -84,14 +84,17 @@ class Ledger:
     phase. Algorithms set the label with ``with comm.phase("reduce-scatter"): ...``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parent: "Ledger | None" = None) -> None:
         self.phases: dict[str, PhaseCost] = {}
         self.label = "default"
         self._total = PhaseCost()  # kept with every record: the totals are read around every reduce
+        self.parent = parent  # a sub-communicator's ledger also records into its parent's (Comm.split)
 
     def record(self, cost: PhaseCost) -> None:
         self.phases.setdefault(self.label, PhaseCost()).add(cost)
         self._total.add(cost)
+        if self.parent is not None:
+            self.parent.record(cost)
 
     def total(self) -> PhaseCost:
         """The sum over phases (a copy)."""
@@ -541,6 +544,32 @@ class Comm(ABC):
         charged to a virtual clock - it validates a call, it is not the payload."""
         with self.unrecorded():
             return self._allgather(t)
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "Comm":
+        """The sub-communicator of the group in ``groups`` (a partition of this comm's ranks) that holds
+        this rank; its ranks are numbered in the group's ascending order.
+
+        Every rank calls it with the same partition, and ranks make their splits in the same order
+        (on gloo, creating a group is a collective of the whole world). The result is cached per
+        partition, so later calls (e.g. by several reducers) cost nothing and share it. What the
+        sub-communicator sends is recorded in its own ledger *and* in this one's (under this one's
+        current phase), so a caller measuring ``self.ledger`` sees its sub-groups' traffic. A
+        ThreadComm sub-communicator keeps its own virtual clock.
+        """
+        key = tuple(sorted(tuple(sorted(int(r) for r in g)) for g in groups))
+        if sorted(r for g in key for r in g) != list(range(self.world_size)) or any(not g for g in key):
+            raise CommError(f"split needs a partition of ranks 0..{self.world_size - 1} into non-empty groups, "
+                            f"got {[list(g) for g in groups]}")
+        cache = self.__dict__.setdefault("_subcomms", {})
+        sub = cache.get(key)
+        if sub is None:
+            sub = cache[key] = self._split(key)
+            sub.ledger.parent = self.ledger
+        return sub
+
+    def _split(self, groups: tuple[tuple[int, ...], ...]) -> "Comm":
+        """Backend part of :meth:`split` (``groups``: sorted tuples, a checked partition)."""
+        raise CommError(f"{type(self).__name__} cannot make sub-communicators")
 
     def check_same(self, value: int, what: str) -> None:
         """Raise on every rank if ``value`` differs across ranks (unrecorded control traffic)."""

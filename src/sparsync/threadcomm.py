@@ -78,6 +78,18 @@ class ThreadWorld:
         with self._cond:
             self._cond.notify_all()
 
+    def subworld(self, key) -> "ThreadWorld":
+        """The world of one sub-group (``key``: any hashable naming the split and the group; the
+        same object for every rank that asks). It shares this world's abort flag."""
+        with self._lock:
+            subs = self.__dict__.setdefault("_subworlds", {})
+            w = subs.get(key)
+            if w is None:
+                w = subs[key] = ThreadWorld(len(key[1]), self.alpha, self.beta, self.timeout)
+                w.aborted = self.aborted
+                w._parent = self
+            return w
+
     def comms(self) -> list["ThreadComm"]:
         return [ThreadComm(self, r) for r in range(self.world_size)]
 
@@ -107,7 +119,14 @@ class ThreadComm(Comm):
     # ------------------------------------------------------------------ waiting
     def _check_abort(self) -> None:
         if self.world.aborted.is_set():
-            raise RankAborted(f"rank {self.rank}: another rank failed ({self.world.abort_reason})")
+            w = self.world
+            while not w.abort_reason and getattr(w, "_parent", None) is not None:  # a sub-group's world
+                w = w._parent
+            raise RankAborted(f"rank {self.rank}: another rank failed ({w.abort_reason})")
+
+    def _split(self, groups):
+        g = next(g for g in groups if self.rank in g)
+        return ThreadComm(self.world.subworld((groups, g)), g.index(self.rank), device=str(self.device))
 
     def _get(self, ch: queue.SimpleQueue, what: str):
         deadline = time.monotonic() + self.world.timeout

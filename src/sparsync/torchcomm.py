@@ -112,6 +112,20 @@ class TorchComm(Comm):
                 w.wait()
         return [Handle(make(i)) for i in range(len(recvs))]
 
+    def _split(self, groups):
+        """One ``dist.new_group`` per group, every rank creating every group in the same order (gloo
+        and NCCL need the whole world in each call); keeps this rank's."""
+        if self.world_size != dist.get_world_size():
+            raise NotImplementedError("split of a TorchComm over a sub-group of the world: create the groups "
+                                      "with dist.new_group yourself and wrap them in TorchComm")
+        backend = dist.get_backend(self.group)
+        mine = None
+        for g in groups:
+            pg = dist.new_group([self._global(r) for r in g], backend=backend)
+            if self.rank in g:
+                mine = pg
+        return TorchComm(mine, device=self.device)
+
     def _allgather(self, t):
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         dist.all_gather(out, t, group=self.group)

@@ -52,7 +52,7 @@ __all__ = [
 #: what a user would run instead of a sparse all-reduce (see :func:`collective_fn`)
 BASELINES = ("dense", "plain_allgather", "dense_reducer")
 TIME_KEYS = ("select_s", "comm_s", "total_s", "wall_s")
-MAX_KEYS = ("bytes_sent", "bytes_received", "messages", "rounds")
+MAX_KEYS = ("bytes_sent", "bytes_received", "messages", "rounds", "intra_bytes", "inter_bytes")  # by level: hier
 
 
 def make_grad(rank: int, step: int, numel: int, seed: int = 0, dtype=torch.float32, device="cpu") -> torch.Tensor:

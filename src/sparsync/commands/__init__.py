@@ -29,9 +29,14 @@ def _arg_type(fn, name):
 
 
 def _network(s: str) -> str:
-    """``loopback`` / ``none`` stay; a rate becomes its canonical tc spelling (``1Gb/s`` -> ``1gbit``)."""
+    """``loopback`` / ``none`` stay; a rate becomes its canonical tc spelling (``1Gb/s`` -> ``1gbit``);
+    a topology spec (``2x2@10gbit/200mbit``, :class:`sparsync.sites.Topology`) its canonical spelling."""
+    from ..sites import Topology, is_topology_spec
+
     if s.strip().lower() in ("loopback", "none"):
         return s.strip().lower()
+    if is_topology_spec(s):
+        return Topology.from_spec(s).spec()
     return format_rate(parse_rate(s))
 
 

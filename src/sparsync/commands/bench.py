@@ -25,6 +25,11 @@ def _common(p) -> None:
     p.add_argument("--bandwidth", type=NETWORKS, default="loopback",
                    help="comma list of networks: 'loopback' (no namespaces) or a per-link rate of the "
                         "emulated cluster, e.g. '1gbit', '100mbit', 'none' (namespaces, no limit)")
+    p.add_argument("--topology", default=None, metavar="SxR",
+                   help="instead of --bandwidth: S sites of R ranks with --intra RATE and --inter RATE "
+                        "(docs/cluster.md; the same as --bandwidth SxR@INTRA/INTER)")
+    p.add_argument("--intra", default=None, metavar="RATE", help="with --topology: each rank's link in its site")
+    p.add_argument("--inter", default=None, metavar="RATE", help="with --topology: each site's uplink")
     p.add_argument("--fallback-loopback", action="store_true",
                    help="when the emulated cluster cannot be built (no root), warn and use loopback")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -34,7 +39,26 @@ def _common(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress output")
 
 
+def _topology_networks(args) -> None:
+    """``--topology SxR --intra A --inter B`` -> ``args.bandwidth = ["SxR@A/B"]`` (one line on a bad value)."""
+    if args.topology is None:
+        if args.intra is not None or args.inter is not None:
+            raise UsageError("--intra / --inter set the rates of a --topology; without one use --bandwidth RATE")
+        return
+    from ..sites import Topology
+
+    try:
+        t = Topology.parse(args.topology, args.intra, args.inter)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    bad = [P for P in args.workers if P != t.world_size]
+    if bad:
+        raise UsageError(f"--topology {args.topology} has {t.world_size} ranks but --workers asks for {bad[0]}")
+    args.bandwidth = [t.spec()]
+
+
 def _allreduce(args) -> int:
+    _topology_networks(args)
     from ..bench.allreduce import expand_algorithms, run_allreduce_bench
     from ..bench.patterns import PATTERNS
     from ..bench.report import fmt_bytes, fmt_ms, fmt_num, fmt_speedup, format_table, write_csv
@@ -99,6 +123,7 @@ def _threshold_options(value: str) -> dict:
 
 
 def _reducers(args) -> int:
+    _topology_networks(args)
     from ..bench.reducers import expand_reducers, run_reducer_bench
     from ..bench.report import fmt_bytes, fmt_ms, fmt_num, fmt_speedup, format_table, write_csv
     from ..cluster import ClusterUnavailable
@@ -135,12 +160,14 @@ def _reducers(args) -> int:
         write_csv(args.csv, rows, ["network", "world_size", "numel", "pattern", "residual", "target_density",
                                    "reducer", "select_s",
                                    "comm_s", "total_s", "wall_s", "speedup", "bytes_sent", "bytes_received",
-                                   "rounds", "messages", "density", "selected", "steps", "total_s_all"])
+                                   "rounds", "messages", "density", "selected", "steps", "total_s_all",
+                                   "intra_bytes", "inter_bytes"])
         print(f"wrote {args.csv}")
     return 0
 
 
 def _revision(args) -> int:
+    _topology_networks(args)
     from ..bench.report import fmt_ms, fmt_num, format_table, write_csv
     from ..bench.revision import run_revision_ab
     from ..cluster import ClusterUnavailable
@@ -173,6 +200,7 @@ def _revision(args) -> int:
 
 
 def _gather_routes(args) -> int:
+    _topology_networks(args)
     from ..bench.gather_routes import run_gather_routes
     from ..bench.report import fmt_ms, format_table, write_csv
     from ..cluster import ClusterUnavailable

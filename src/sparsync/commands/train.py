@@ -107,6 +107,14 @@ def add_common(p, compare: bool = False) -> None:
     net.add_argument("--loopback", action="store_true",
                      help="forked gloo workers over loopback (the default network)")
     net.add_argument("--thread", action="store_true", help=argparse_hidden())
+    net.add_argument("--topology", default=None, metavar="SxR",
+                     help="emulated cluster of S sites of R ranks (root only), each site its own switch, joined by "
+                          "one shaped uplink per site: needs --intra RATE and --inter RATE (docs/cluster.md)")
+    p.add_argument("--intra", default=None, metavar="RATE", help="with --topology: each rank's link inside its site")
+    p.add_argument("--inter", default=None, metavar="RATE", help="with --topology: each site's uplink")
+    p.add_argument("--rate-schedule", default="", metavar="STEP:RATE,...",
+                   help="change the emulated inter-host rate mid-run (uplinks with --topology, every host link "
+                        "with --bandwidth), e.g. 50:100mbit")
     steps = p.add_mutually_exclusive_group()
     steps.add_argument("--steps", type=WORKERS, default=None, help="training steps (default: the workload's)")
     steps.add_argument("--epochs", type=_float_in(0, float("inf"), "--epochs"), default=None,
@@ -187,6 +195,24 @@ def argparse_hidden():
 
 
 def network_of(args) -> str:
+    """The run's network as one string: ``thread``, ``loopback``, a rate, or a topology spec
+    (``2x2@10gbit/200mbit``, :class:`sparsync.sites.Topology`); UsageError (one line) for bad options."""
+    from . import UsageError
+
+    topo, intra, inter = getattr(args, "topology", None), getattr(args, "intra", None), getattr(args, "inter", None)
+    if topo is None:
+        if intra is not None or inter is not None:
+            raise UsageError("--intra / --inter set the rates of a --topology; without one use --bandwidth RATE")
+    else:
+        from ..sites import Topology
+
+        try:
+            t = Topology.parse(topo, intra, inter)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if t.world_size != args.workers:
+            raise UsageError(f"--topology {topo} has {t.world_size} ranks but --workers is {args.workers}")
+        return t.spec()
     if getattr(args, "thread", False):
         return "thread"
     if args.bandwidth:
@@ -245,7 +271,7 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         eval_every=args.eval_every, seed=args.seed,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
         checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),
-        keep_checkpoints=getattr(args, "keep_checkpoints", 2),
+        keep_checkpoints=getattr(args, "keep_checkpoints", 2), rate_schedule=getattr(args, "rate_schedule", ""),
         progress=not args.no_progress, timeout=args.timeout, time_limit=getattr(args, "time_limit", None))
 
 

@@ -26,7 +26,8 @@ import time
 __all__ = ["GroupSpan", "StepStats"]
 
 _STAGES = ("copy", "check", "policy", "reduce")
-_REDUCER_KEYS = ("select_s", "comm_s", "bytes_sent", "bytes_received", "selected")
+_REDUCER_KEYS = ("select_s", "comm_s", "bytes_sent", "bytes_received", "selected", "intra_bytes", "inter_bytes")
+_LEVEL_KEYS = ("intra_bytes", "inter_bytes")  # bytes sent inside a site / between sites (hier); shown when used
 
 
 class GroupSpan:
@@ -105,6 +106,7 @@ class StepStats:
             "bytes_received": int(c["bytes_received"]),
             "selected": int(c["selected"]),
             "copied_bytes": int(self.copied_bytes),
+            **{k: int(c[k]) for k in _LEVEL_KEYS if c[k]},
             **{f"reducer_{k}": v for k, v in self.stages.items()},
         }
         totals = dict.fromkeys(("copy", "check", "policy", "select", "comm", "reducer_other"), 0.0)

@@ -97,6 +97,8 @@ def validate(cfg: TrainConfig):
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
     _validate_optimizer(cfg)
+    if cfg.rate_schedule:
+        _check_rate_schedule(cfg)
     if cfg.convergence:  # what the run will use, as its label and config.json say
         cfg.convergence = policy_options(cfg)
     if cfg.steps < 1:
@@ -120,6 +122,18 @@ def _validate_optimizer(cfg: TrainConfig) -> None:
             raise ValueError(f"--{k.replace('_', '-')} must be a non-negative integer, got {v!r}")
     if cfg.adam_freeze and cfg.optimizer != "adamw":
         raise ValueError(f"--adam-freeze applies to --optimizer adamw, not {cfg.optimizer!r}")
+
+
+def _check_rate_schedule(cfg: TrainConfig) -> None:
+    from ..cluster import parse_rate_schedule
+
+    sched = parse_rate_schedule(cfg.rate_schedule)
+    if cfg.network in ("loopback", "thread", "torchrun", "none"):
+        raise ValueError(f"--rate-schedule changes the emulated network's rates; the network here is {cfg.network!r} "
+                         "(use --bandwidth RATE or --topology SxR --intra RATE --inter RATE)")
+    late = [k for k in sched if k >= cfg.steps]
+    if late:
+        raise ValueError(f"--rate-schedule: step {min(late)} is not before the run's last step ({cfg.steps} steps)")
 
 
 def check_network(network: str) -> None:
@@ -269,6 +283,19 @@ def _ddp_bytes(cfg: TrainConfig, model: nn.Module) -> int:
     return int(2 * (P - 1) * values * vb // P)
 
 
+def _rate_schedule(cfg: TrainConfig, start: int) -> dict:
+    """{step: bits/s} of ``--rate-schedule``; on resume the latest change before ``start`` applies at it."""
+    if not cfg.rate_schedule:
+        return {}
+    from ..cluster import parse_rate_schedule
+
+    sched = parse_rate_schedule(cfg.rate_schedule)
+    earlier = [k for k in sched if k < start]
+    if earlier and start not in sched:
+        sched[start] = sched[max(earlier)]
+    return sched
+
+
 def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict | None,
                  record_losses: bool = True) -> dict:
     """Run one rank of a training run; rank 0 writes metrics. Returns a summary dict (with the
@@ -314,8 +341,13 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     losses, rows = [], []
     comm.barrier()
     last_acc = evals[-1]["accuracy"] if evals else None
+    rates = _rate_schedule(cfg, start)
     try:
         for step in range(start, cfg.steps):
+            if step in rates:  # the emulated inter-host links change rate before this step (a collective)
+                from ..cluster import change_rate
+
+                change_rate(comm, rates[step])
             x, y = wl.batch(step, rank, P, cfg.batch_size, cfg.seed)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
@@ -333,6 +365,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             if not math.isfinite(lv):
                 raise FloatingPointError(f"loss became {lv} at step {step}; lower --lr or check the reducer")
             rec = _step_record(cfg, model, ddp, numel, step, lv, train_time, (t0, t1, t2, t3))
+            if step in rates:
+                rec["inter_rate_bits"] = rates[step]  # the emulated rate changed before this step
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 ev = wl.evaluate(model)
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
@@ -405,7 +439,7 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
                    numel=numel, compute_s=None)
         return rec
     st = dict(getattr(ddp, "last_stats", {}) or {})
-    for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected",
+    for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected", "intra_bytes", "inter_bytes",
               "numel", "density", "groups", "outer_s", *_BREAKDOWN_KEYS,
               *(k for k in st if k.startswith("reducer_") and k not in _BREAKDOWN_KEYS)):
         if k in st:

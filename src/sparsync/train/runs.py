@@ -253,8 +253,9 @@ class MetricsWriter:
 
 
 #: fields that do not change the trajectory of a run (may differ between a run and its resume)
-_VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "force", "resume",
-             "target_accuracy", "target_loss", "timeout", "time_limit", "final_checkpoint", "keep_checkpoints"}
+_VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "rate_schedule", "force",
+             "resume", "target_accuracy", "target_loss", "timeout", "time_limit", "final_checkpoint",
+             "keep_checkpoints"}
 _TMP_RE = re.compile(r"\.tmp\d+$")  # what _atomic_write / save_checkpoint leave when killed
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -292,7 +293,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     keep_checkpoints: int = 2         # newest complete checkpoints kept (0 = all)
     final_checkpoint: bool = True     # compare turns it off (each rank's file is ~50 MB for digits-mlp)
-    network: str = "loopback"         # loopback | 1gbit (any tc rate) | thread
+    network: str = "loopback"         # loopback | 1gbit (any tc rate) | 2x2@10gbit/200mbit (sites) | thread
+    rate_schedule: str = ""           # "STEP:RATE,...": the emulated inter-host rate changes at STEP
     progress: bool = True
     timeout: float = 600.0            # stall timeout: seconds without a completed step (run_local)
     time_limit: float | None = None   # whole-run limit in seconds (None: none)

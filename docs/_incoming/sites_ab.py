@@ -1,0 +1,41 @@
+"""flat reducer vs hier (inner dense, outer = the same reducer), same density, alternated call by call on one
+process group of the emulated 2x2 cluster; per call the max over ranks, then the median.
+usage: ab.py NETWORK:REDUCER[:STEPS] ..."""
+import statistics
+import sys
+import time
+from sparsync.bench.reducers import bench_grads
+from sparsync.cluster import run_emulated
+from sparsync.reducers.registry import make_reducer
+
+N, DENS, WARM = int(1e7), 0.01, 2
+
+def worker(comm, base, steps):
+    grads = bench_grads("heavy_tail", comm.rank, N, 0, 2, comm.device)
+    reds = {base: make_reducer(base, comm, DENS), "hier": make_reducer("hier", comm, DENS, outer=base)}
+    out = {k: [] for k in reds}
+    for step in range(WARM + steps):
+        for name, r in reds.items():
+            g = grads[step % 2]
+            comm.barrier()
+            t0 = time.perf_counter()
+            r.reduce(g)
+            dt = time.perf_counter() - t0
+            if step >= WARM:
+                st = r.stats
+                out[name].append((dt, st.get("bytes_sent"), st.get("inter_bytes"), st.get("intra_bytes")))
+    return out
+
+for spec in sys.argv[1:]:
+    net, base, *st = spec.split(":")
+    steps = int(st[0]) if st else 10
+    res = run_emulated(worker, 4, base, steps, bandwidth=net, timeout=900)
+    row = {}
+    for name in (base, "hier"):
+        per = [max(res[r][name][i][0] for r in range(4)) for i in range(steps)]
+        row[name] = statistics.median(per)
+        b = res[0][name][-1]
+        what = f"hier(outer {base})" if name == "hier" else f"{base} flat"
+        print(f"{net} {what}: median {row[name]*1e3:.1f} ms (calls {min(per)*1e3:.0f}-{max(per)*1e3:.0f}), "
+              f"rank 0 sent {b[1]/1e6:.2f} MB, inter {b[2]}, intra {b[3]}", flush=True)
+    print(f"{net} {base}: hier / flat = {row['hier']/row[base]:.2f}", flush=True)
