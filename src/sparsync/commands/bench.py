@@ -48,14 +48,16 @@ def _allreduce(args) -> int:
         algorithms = expand_algorithms(args.algorithms)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if "dense" not in algorithms:
-        algorithms = ["dense"] + algorithms  # the speedup column needs it
+    ref = args.reference
+    if ref not in algorithms:
+        algorithms = [ref] + algorithms  # the speedup column needs it
     t0 = time.perf_counter()
     try:
         rows = run_allreduce_bench(args.workers, args.numel, args.densities, patterns, algorithms, args.bandwidth,
                                    repeats=args.repeats, warmup=args.warmup, seed=args.seed,
                                    check=not args.no_check, timeout=args.timeout,
-                                   fallback_loopback=args.fallback_loopback, progress=not args.quiet)
+                                   fallback_loopback=args.fallback_loopback, progress=not args.quiet,
+                                   dense=args.dense_result, reference=ref)
     except ClusterUnavailable as e:
         print(f"sparsync bench allreduce: {e}", file=sys.stderr)
         return 2
@@ -66,7 +68,7 @@ def _allreduce(args) -> int:
                   note=(r.get("error") or "")[:60] or None) for r in rows]
     cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("density", "density"),
             ("pattern", "pattern"), ("algorithm", "algorithm"), ("time", "time ms"),
-            ("speedup", "vs dense"), ("sent", "sent/rank"), ("rounds", "rounds"), ("ok", "exact")]
+            ("speedup", f"vs {ref}"), ("sent", "sent/rank"), ("rounds", "rounds"), ("ok", "exact")]
     if any(r.get("error") for r in rows):
         cols.append(("note", "error"))
     print(format_table(shown, cols, markdown=args.markdown))
@@ -217,6 +219,11 @@ def register(subparsers) -> None:
     a.add_argument("--repeats", type=int, default=5, help="timed steps per algorithm (default 5)")
     a.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm (default 1)")
     a.add_argument("--no-check", action="store_true", help="skip the exactness / cross-rank checks")
+    a.add_argument("--dense-result", action="store_true",
+                   help="make every result dense inside the timed call (the lossless algorithms through "
+                        "ss.sparse_allreduce_dense), as a trainer that needs the dense sum does")
+    a.add_argument("--reference", default="dense",
+                   help="the row the speedup column divides by (default dense; always run)")
     a.set_defaults(func=_allreduce)
 
     r = sub.add_parser("reducers", help="lossy reducers end to end: select / comm / total time")
