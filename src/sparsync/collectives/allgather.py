@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..recycle import fill_zero
-from ..sparse import SparseVec, add_at, decode, decode_views, encode, sum_dtype, sum_streams
+from ..sparse import SparseVec, add_at, decode, decode_views, encode, index_dtype_for, sum_dtype, sum_streams
 from .registry import register
 
 
@@ -58,11 +58,17 @@ def allgather(sv: SparseVec, comm, dense: bool = False, out: torch.Tensor | None
     return out
 
 
-def allgather_cost(P, n, k, value_bytes=4, index_bytes=4, **_):
+def allgather_cost(P, n, k, value_bytes=4, index_bytes=None, **_):
     """Ring all-gather of every rank's stream: ``P-1`` rounds, ``(P-1) * (8 + min(k(c+isize), n*isize))``
-    bytes received (sparse while ``k(c+isize) < n*isize``, else dense; 8-byte header)."""
-    m = 8 + (k * (index_bytes + value_bytes) if k * (index_bytes + value_bytes) < n * value_bytes else n * value_bytes)
-    return {"rounds": P - 1, "bytes_received": (P - 1) * m}
+    bytes received (sparse while ``k(c+isize) < n*isize``, else dense; 8-byte header). ``compute``:
+    the sort of the ``P k`` gathered items (a sparse sum), or a dense pass when they reach ``n``."""
+    if index_bytes is None:
+        index_bytes = torch.empty(0, dtype=index_dtype_for(n)).element_size()
+    sparse = k * (index_bytes + value_bytes) < n * value_bytes
+    m = 8 + (k * (index_bytes + value_bytes) if sparse else n * value_bytes)
+    items = P * k if sparse else P * n
+    work = {"sparse_items": items, "dense_elems": 0} if items < n else {"sparse_items": 0, "dense_elems": n + items}
+    return {"rounds": P - 1, "bytes_received": (P - 1) * m, "compute": work}
 
 
 register("allgather", cost=allgather_cost, dense=True)(allgather)
