@@ -93,6 +93,11 @@ class AutoState:
         self.choices: dict = {}
         self.timings: dict = {}
 
+    @staticmethod
+    def key(numel: int, k: int, dtype, dense: bool = False, group_size: int = 8) -> tuple:
+        """The shape a measured choice is kept for: ``k`` rounded up to a power of two."""
+        return int(numel), max(int(k), 1).bit_length(), str(dtype), bool(dense), int(group_size)
+
 
 def state_of(comm, state: AutoState | None = None) -> AutoState:
     """``state``, or the :class:`AutoState` kept on ``comm`` (made on first use)."""
@@ -285,7 +290,7 @@ def _pick(sv, comm, alpha, beta, group_size, gamma_sparse, gamma_dense, k, state
     measure = st.tune if tune is None else bool(tune)
     if not measure or _virtual_network(comm) or given[0] is not None or given[1] is not None:
         return best, None
-    key = (sv.numel, max(int(k), 1).bit_length(), str(sv.dtype), bool(dense), int(group_size))
+    key = st.key(sv.numel, k, sv.dtype, dense, group_size)
     if key not in st.choices:
         names = sorted((n for n in t if n == "allgather" or t[n] <= st.margin * t[best]),
                        key=lambda n: (n != "allgather", t[n], CANDIDATES.index(n)))[: st.max_candidates]
