@@ -214,8 +214,9 @@ def register(subparsers) -> None:
                    help="comma list of random, identical, disjoint, heavy_tail (issue 11's workload: top-k of "
                         "two alternated heavy-tailed gradients)")
     a.add_argument("--algorithms", default="dense,plain_allgather,allgather,torch_sparse",
-                   help="comma list; 'all' = dense, plain_allgather + every registered algorithm "
-                        "(dense is always added)")
+                   help="comma list; 'all' = the baselines (dense, dense_reducer, plain_allgather[_reuse|_int64]) + "
+                        "every registered algorithm "
+                        "(the --reference row is always added)")
     a.add_argument("--repeats", type=int, default=5, help="timed steps per algorithm (default 5)")
     a.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm (default 1)")
     a.add_argument("--no-check", action="store_true", help="skip the exactness / cross-rank checks")
@@ -242,7 +243,8 @@ def register(subparsers) -> None:
     r.add_argument("--baselines", type=NAMES, default=None,
                    help="comma list of rows timed in the same run before the reducers: 'allreduce' (the bare "
                         "gloo all_reduce; then the 'vs dense' column is relative to it) and/or "
-                        "'plain_allgather' (issue 11's plain all-gather + index_add_ of the exact top-k)")
+                        "'plain_allgather' (the plain all-gather a user writes: int32 indices, one all-gather, one "
+                        "index_add_ of the exact top-k)")
     r.add_argument("--hard-threshold", default="tuned",
                    help="hard_threshold's fixed threshold: 'tuned' (default: the k-th largest |g| of each "
                         "rank's first gradient, averaged over ranks - tuned to the target density once, as "
