@@ -423,7 +423,7 @@ class Comm(ABC):
         rank): no count round. The ledger records the padded size, which is what actually travels.
         """
         t = _as_1d(t, "allgatherv")
-        counts = self._gather_counts(t, counts)
+        counts = self.gather_counts(t.numel()) if counts is None else [int(c) for c in counts]
         out = gather_padded(t, counts, self._allgather_equal)
         self._record_padded_gather(max(counts), t.element_size())
         return out
@@ -434,7 +434,7 @@ class Comm(ABC):
         No per-rank output tensors (gloo's list all-gather copies every rank's piece out of its
         flat buffer); the same ledger as :meth:`allgatherv`."""
         t = _as_1d(t, "allgatherv_flat")
-        counts = self._gather_counts(t, counts)
+        counts = self.gather_counts(t.numel()) if counts is None else [int(c) for c in counts]
         m = max(counts)
         padded = t if t.numel() == m else torch.cat([t, t.new_zeros(m - t.numel())])
         flat = torch.empty(self.world_size * m, dtype=t.dtype, device=self.device)
@@ -443,13 +443,12 @@ class Comm(ABC):
         self._record_padded_gather(m, t.element_size())
         return flat, counts
 
-    def _gather_counts(self, t: torch.Tensor, counts: list[int] | None) -> list[int]:
-        """Every rank's ``t.numel()``: ``counts`` when the caller knows them, else one unrecorded
-        gather of the counts, recorded as ``P - 1`` 8-byte headers."""
-        if counts is not None:
-            return [int(c) for c in counts]
+    def gather_counts(self, count: int) -> list[int]:
+        """Every rank's ``count`` in rank order: one small unrecorded gather (direct messages where
+        the backend sends them so), recorded as ``P - 1`` 8-byte headers - the count half of a
+        variable-size all-gather."""
         with self.unrecorded():
-            got = self._allgather_equal(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
+            got = self._allgather_equal(torch.tensor([int(count)], dtype=torch.int64, device=self.device))
         if self._recording:
             P = self.world_size
             self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))

@@ -29,6 +29,7 @@ import torch
 
 from ..recycle import recycled
 from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
+                      wire_nbytes,
                       set_at, sum_streams)
 
 __all__ = [
@@ -48,6 +49,8 @@ __all__ = [
     "send_stream",
     "split_stream",
     "stream_bytes",
+    "block_bytes",
+    "stream_count",
     "unfold",
     "write_block",
 ]
@@ -249,7 +252,8 @@ def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtyp
     return sum_streams([parts[me]] + got, dim, sum_dtype(dtype), x.device)
 
 
-def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False, sink=None):
+def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False, sink=None,
+                     counts: list[int] | None = None):
     """Recursive-doubling all-gather by concatenation over ``len(bounds)-1`` (a power of two) parts.
 
     This rank holds part ``pos`` (re-based payload of dimension ``bounds[pos+1]-bounds[pos]``);
@@ -258,10 +262,12 @@ def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, de
     a dense tensor of known size, sent without headers (DSAR's dense all-gather).
     Returns the payload covering ``[bounds[0], bounds[-1])``.
 
-    ``sink(payload, offset)`` (sparse streams only): every block is handed to it once - this
-    rank's part, then each received block, each while the next exchange is in flight - re-based to
-    ``offset``, its first index (a dense result written block by block while the wire is busy);
-    then the full concatenation is never built and None is returned.
+    Sparse streams travel with a size header per step, unless ``counts`` gives every part's stream
+    count (:func:`stream_count`, gathered once by the caller): then every block's size follows from
+    them (:func:`block_bytes`) and no step waits for a header. ``sink(payload, offset)``: every block
+    is handed to it once - this rank's part, then each received block, each while the next exchange
+    is in flight - with ``offset``, its first index (a dense result written block by block while the
+    wire is busy); then the full concatenation is never built and None is returned.
     """
     Q = len(bounds) - 1
     buf = mine
@@ -275,13 +281,15 @@ def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, de
         n_p = bounds[lo_p + t] - bounds[lo_p]
         if dense:
             got = comm.sendrecv(buf, partner, partner, recv_numel=n_p, recv_dtype=dtype)
-        elif sink is None:
-            got = exchange_stream(comm, buf, partner, n_p, dtype)
-        else:  # exchange_stream's messages, with the previous block written out while this one travels
+        else:  # the messages of exchange_stream, or of known size; the previous block is written meanwhile
             enc = encode(buf)
-            size = comm.exchange_sizes([(partner, enc)], [partner])[partner]
+            if counts is None:
+                size = comm.exchange_sizes([(partner, enc)], [partner])[partner]
+            else:
+                size = block_bytes(counts, bounds, lo_p, t, dtype)
             handle = comm.post([(partner, enc)], [(partner, size, torch.uint8)])[0]
-            sink(*pending)
+            if sink is not None:
+                sink(*pending)
             got = decode(handle.wait(), n_p, dtype)
             pending = (got, bounds[lo_p])
         t *= 2
@@ -291,6 +299,29 @@ def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, de
         sink(*pending)
         return None
     return buf
+
+
+def stream_count(x) -> int:
+    """The item count a payload's stream header carries: ``nnz``, or ``numel`` for a dense one."""
+    return x.nnz if isinstance(x, SparseVec) else x.numel()
+
+
+def block_bytes(counts: list[int], bounds: list[int], lo: int, width: int, dtype) -> int:
+    """Bytes of the encoded block of parts ``[lo, lo+width)`` as :func:`allgather_concat` builds it
+    from parts whose streams carry ``counts`` (:func:`concat`'s rule, lower half first)."""
+
+    def block(lo, width):  # (items, dimension, dense)
+        if width == 1:
+            d = bounds[lo + 1] - bounds[lo]
+            return counts[lo], d, counts[lo] == d  # the stream header's dense marker
+        m1, d1, dense1 = block(lo, width // 2)
+        m2, d2, dense2 = block(lo + width // 2, width // 2)
+        if not (dense1 or dense2) and sparse_is_smaller(m1 + m2, d1 + d2, dtype):
+            return m1 + m2, d1 + d2, False
+        return d1 + d2, d1 + d2, True
+
+    m, d, _ = block(lo, width)
+    return wire_nbytes(m, d, dtype)
 
 
 def write_block(out: torch.Tensor, x, offset: int) -> None:

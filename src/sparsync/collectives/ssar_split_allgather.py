@@ -35,6 +35,7 @@ from .registry import register
 from .sparcml_common import (
     Fold,
     as_stream,
+    stream_count,
     pow2_floor,
     write_block,
     run_folded,
@@ -78,7 +79,7 @@ def ssar_split_allgather(sv: SparseVec, comm, dense: bool = False, out=None, out
         bounds, acc = split_and_sum(comm, as_stream(sv), f, sv.numel, sv.dtype,
                                     while_waiting=None if out_zeroed else (lambda: fill_zero(out)))
         with comm.phase(phase_label(comm, "allgather")):
-            allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype,
+            allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype, counts=_part_counts(comm, f, acc),
                              sink=lambda x, offset: write_block(out, x, offset))
         return out
     return run_folded(sv, comm, lambda x, f: _split_allgather(comm, sv, x, f))
@@ -87,7 +88,15 @@ def ssar_split_allgather(sv: SparseVec, comm, dense: bool = False, out=None, out
 def _split_allgather(comm, sv, x, f):
     bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
     with comm.phase(phase_label(comm, "allgather")):
-        return allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype)  # sums: >= fp32
+        return allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype,  # sums: >= fp32
+                                counts=_part_counts(comm, f, acc))
+
+
+def _part_counts(comm, f, acc):
+    """Every summed part's stream count, gathered once (one small gather, header traffic), so that
+    the all-gather's steps know their sizes; None on a folded world (the survivors alone would have
+    to gather them), where every step exchanges a size header instead."""
+    return comm.gather_counts(stream_count(acc)) if f.e == 0 else None
 
 
 def split_phase_cost(sim, P, n, k, union):
