@@ -75,7 +75,6 @@ _DENSE_ELEMS, _SPARSE_ITEMS = 1 << 22, 1 << 16
 _MIN_BETA, _MIN_ALPHA = 1e-12, 1e-7
 
 
-
 class AutoState:
     """What ``auto`` knows about one communicator (module docstring): ``calibration`` (alpha, beta,
     gamma_sparse, gamma_dense, or None until measured) and ``choices`` (shape key -> the candidate
