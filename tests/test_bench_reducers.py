@@ -112,8 +112,8 @@ def test_reducer_bench_baseline_rows_alternate_inputs():
         ar, pa, red = out["allreduce", "reset"], out["plain_allgather", "reset"], out["topka", "reset"]
         assert len(ar) == len(pa) == len(red) == 3
         assert all(r["bytes_sent"] == 2 * (P - 1) * n * 4 // P and r["density"] == 1 for r in ar)
-        # two all-gathers of k int64 indices and k fp32 values
-        assert all(r["bytes_sent"] == (P - 1) * k * 12 and r["selected"] == k for r in pa)
+        # the user's plain all-gather: one int64 count, then k int32 indices and k fp32 values in one buffer
+        assert all(r["bytes_sent"] == (P - 1) * (8 + k * 8) and r["selected"] == k for r in pa)
         assert all(r["comm_s"] == r["total_s"] and r["select_s"] == 0 for r in ar + pa)
     # time_collective with a list of inputs runs them in turn (digest of the last step = input 1)
     def alt(comm):

@@ -230,3 +230,52 @@ def test_auto_with_known_k():
     assert all(ok for ok, _ in ss.run_local(fn, 4))
     with pytest.raises(ValueError, match="promised k"):
         ss.run_local(lambda c: ss.sparse_allreduce(make_sparse("random", c.rank, 2, 100, 0.1, 0), c, "auto", k=1), 2)
+
+
+@pytest.mark.gloo
+def test_auto_measures_on_gloo_and_keeps_choice_in_explicit_state():
+    """On a real backend auto times the plausible candidates on a new shape (the plain all-gather
+    always among them), every rank picks the same one - the fastest measured - and later calls reuse
+    it; the measuring is unrecorded (the call's ledger is the chosen algorithm's), and the state
+    lives in the AutoState the caller passes, not in the module."""
+    from sparsync.collectives.auto import AutoState
+
+    def fn(comm):
+        st = AutoState(trials=1)
+        sv = make_sparse("heavy_tail", comm.rank, comm.world_size, 20_000, 0.01, 0)
+        info = {}
+        snap = comm.ledger.snapshot()
+        first = ss.sparse_allreduce(sv, comm, "auto", check=False, state=st, report=info)
+        cost_auto = comm.ledger.since(snap)
+        name, timings = info["algorithm"], info["timings"]
+        snap = comm.ledger.snapshot()
+        direct = ss.sparse_allreduce(sv, comm, name, check=False)
+        cost_direct = comm.ledger.since(snap)
+        info2 = {}
+        again = ss.sparse_allreduce_dense(sv, comm, "auto", check=False, state=st, report=info2)
+        info3 = {}
+        ss.sparse_allreduce(sv, comm, "auto", check=False, state=st, report=info3)
+        return (name, timings, first == direct, cost_auto["bytes_received"] == cost_direct["bytes_received"],
+                torch.equal(again, first.to_dense()) or info2["algorithm"] != name, "timings" in info3,
+                info3["algorithm"] == name, len(st.choices))
+
+    res = ss.run_local(fn, 4, backend="gloo")
+    names = {r[0] for r in res}
+    assert len(names) == 1
+    timings = res[0][1]
+    assert "allgather" in timings and res[0][0] == min(timings, key=timings.get)
+    assert all(r[1] == timings for r in res)  # max-reduced: the same numbers on every rank
+    assert all(r[2] and r[3] and r[4] and not r[5] and r[6] for r in res)
+    assert all(r[7] == 2 for r in res)  # a sparse and a dense result are two shapes
+
+
+def test_auto_state_is_explicit():
+    import sparsync.collectives.auto as auto_mod
+
+    assert not any(isinstance(v, dict) and not k.isupper() for k, v in vars(auto_mod).items()
+                   if not k.startswith("__"))  # no module-level cache
+    with pytest.raises(ValueError, match="trials"):
+        auto_mod.AutoState(trials=0)
+    # the plain all-gather is a candidate of the model too, and auto_cost prices it
+    assert "allgather" in predict(4, 10**7, 10**5, 50e-6, 8e-9)
+    assert COSTS["auto"](4, 1000, 900, alpha=1.0, beta=1e-12)["rounds"] >= 0

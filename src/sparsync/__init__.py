@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 #: public name -> submodule that defines it
 _LAZY = {
     "SparseVec": "sparse", "Comm": "comm", "Ledger": "comm", "run_local": "launch", "comm_from_env": "launch",
-    "torchrun_main": "launch", "sparse_allreduce": "collectives", "make_reducer": "reducers",
+    "torchrun_main": "launch", "sparse_allreduce": "collectives", "sparse_allreduce_dense": "collectives",
+    "make_reducer": "reducers",
     "Reducer": "reducers", "SparseDDP": "ddp", "ddp_hook": "ddp", "DDPHook": "ddp", "GradientPolicy": "convergence",
     "DiLoCo": "localsteps",
     "site_layout": "sites",

@@ -184,6 +184,10 @@ class Comm(ABC):
         it by another route. Here: :meth:`_allgather`."""
         return self._allgather(t)
 
+    def _allgather_equal_into(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`_allgather_equal` into the flat ``out`` (``P * t.numel()``), in rank order."""
+        torch.cat(self._allgather_equal(t), out=out)
+
     def _allgather_direct(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``t`` (the same size everywhere), in rank order, by one batch of ``P - 1``
         direct sends and receives of known size (:meth:`_post`): all messages in flight at once,
@@ -422,20 +426,42 @@ class Comm(ABC):
         rank): no count round. The ledger records the padded size, which is what actually travels.
         """
         t = _as_1d(t, "allgatherv")
-        if counts is None:
-            with self.unrecorded():
-                counts = self._allgather_equal(torch.tensor([t.numel()], dtype=torch.int64, device=self.device))
-            counts = [int(c[0]) for c in counts]
-            if self._recording:
-                P = self.world_size
-                self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))
+        counts = self.gather_counts(t.numel()) if counts is None else [int(c) for c in counts]
         out = gather_padded(t, counts, self._allgather_equal)
+        self._record_padded_gather(max(counts), t.element_size())
+        return out
+
+    def allgatherv_flat(self, t: torch.Tensor, counts: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`allgatherv` into one flat tensor: ``(flat, counts)`` with rank ``r``'s tensor at
+        ``flat[r*m : r*m + counts[r]]``, ``m = max(counts)`` (the rest of each slot is padding).
+        No per-rank output tensors (gloo's list all-gather copies every rank's piece out of its
+        flat buffer); the same ledger as :meth:`allgatherv`."""
+        t = _as_1d(t, "allgatherv_flat")
+        counts = self.gather_counts(t.numel()) if counts is None else [int(c) for c in counts]
         m = max(counts)
+        padded = t if t.numel() == m else torch.cat([t, t.new_zeros(m - t.numel())])
+        flat = torch.empty(self.world_size * m, dtype=t.dtype, device=self.device)
         if m:
-            cost = self._ring_cost(1, (self.world_size - 1) * m * t.element_size())
+            self._allgather_equal_into(padded, flat)
+        self._record_padded_gather(m, t.element_size())
+        return flat, counts
+
+    def gather_counts(self, count: int) -> list[int]:
+        """Every rank's ``count`` in rank order: one small unrecorded gather (direct messages where
+        the backend sends them so), recorded as ``P - 1`` 8-byte headers - the count half of a
+        variable-size all-gather."""
+        with self.unrecorded():
+            got = self._allgather_equal(torch.tensor([int(count)], dtype=torch.int64, device=self.device))
+        if self._recording:
+            P = self.world_size
+            self.ledger.record(PhaseCost(header_messages=P - 1, header_bytes=8 * (P - 1)))
+        return [int(c[0]) for c in got]
+
+    def _record_padded_gather(self, m: int, itemsize: int) -> None:
+        if m:
+            cost = self._ring_cost(1, (self.world_size - 1) * m * itemsize)
             self._record(cost)
             self._charge_collective(cost)
-        return out
 
     def allreduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None,
                   pieces: bool = False) -> torch.Tensor:

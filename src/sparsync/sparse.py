@@ -32,6 +32,7 @@ __all__ = [
     "sum_streams",
     "encode",
     "decode",
+    "decode_views",
     "wire_nbytes",
     "HEADER_BYTES",
     "add_at",
@@ -428,6 +429,17 @@ def _slice_as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> 
 
 def decode(buf: torch.Tensor, numel: int, value_dtype: torch.dtype = torch.float32) -> Payload:
     """Inverse of :func:`encode`: a SparseVec, or a dense tensor when the dense marker is set."""
+    idx, vals = decode_views(buf, numel, value_dtype)
+    if idx is None:
+        return vals.clone()
+    return SparseVec(idx.to(torch.int64), vals.clone(), numel, check=False)
+
+
+def decode_views(buf: torch.Tensor, numel: int, value_dtype: torch.dtype = torch.float32):
+    """:func:`decode` without copies: ``(indices, values)`` as views of ``buf`` - the indices in the
+    wire's index dtype (int32 when ``numel`` fits) - or ``(None, dense values)`` for a dense
+    stream. For a caller that consumes the stream at once (a scatter into a dense sum) while
+    ``buf`` is alive; a view that is not aligned for its dtype is copied."""
     if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < HEADER_BYTES:
         raise ValueError(f"decode needs a 1-D uint8 buffer of at least {HEADER_BYTES} bytes")
     count = int(_slice_as(buf, 0, 1, torch.int64)[0])
@@ -435,13 +447,11 @@ def decode(buf: torch.Tensor, numel: int, value_dtype: torch.dtype = torch.float
     if count == numel:
         if buf.numel() != HEADER_BYTES + numel * vb:
             raise ValueError(f"dense stream of {numel} values has {buf.numel()} bytes")
-        return _slice_as(buf, HEADER_BYTES, numel, value_dtype).clone()
+        return None, _slice_as(buf, HEADER_BYTES, numel, value_dtype)
     if count < 0 or count > numel:
         raise ValueError(f"stream count {count} is outside [0, {numel}]")
     itype = index_dtype_for(numel)
     ib = _elem_bytes(itype)
     if buf.numel() != HEADER_BYTES + count * (ib + vb):
         raise ValueError(f"sparse stream of {count} items has {buf.numel()} bytes")
-    idx = _slice_as(buf, HEADER_BYTES, count, itype).to(torch.int64)
-    vals = _slice_as(buf, HEADER_BYTES + count * ib, count, value_dtype).clone()
-    return SparseVec(idx, vals, numel, check=False)
+    return _slice_as(buf, HEADER_BYTES, count, itype), _slice_as(buf, HEADER_BYTES + count * ib, count, value_dtype)

@@ -140,6 +140,13 @@ class TorchComm(Comm):
             return self._allgather_direct(t)
         return self._allgather(t)
 
+    def _allgather_equal_into(self, t, out):
+        """Flat form of :meth:`_allgather_equal`: small gathers by direct messages, the rest by one
+        ``all_gather_into_tensor`` straight into ``out``."""
+        if self.world_size > 2 and self.device.type == "cpu" and t.numel() * t.element_size() <= DIRECT_GATHER_MAX:
+            return super()._allgather_equal_into(t, out)
+        self._allgather_into(t, out)
+
     def _allreduce_(self, t, op):
         dist.all_reduce(t, op=_OPS[op], group=self.group)
 

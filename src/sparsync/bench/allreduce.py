@@ -65,7 +65,7 @@ def _as_dense(x):
 
 
 def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, check=True, label="",
-                     progress=True) -> list[dict]:
+                     progress=True, dense=False) -> list[dict]:
     """Run every ``(numel, density, pattern)`` in ``configs`` for every algorithm on this rank.
 
     Returns one record per (config, algorithm, timed step) plus one ``kind="check"`` record per
@@ -73,7 +73,8 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
     Exceptions inside an algorithm are recorded (``error``) and the algorithm is dropped for that
     configuration; a failure that leaves ranks out of step ends the run at the gloo timeout.
     Alternating patterns (``heavy_tail``) build both inputs before the clock starts and use input
-    ``step % 2`` at timed step ``step`` (the check runs on input 0).
+    ``step % 2`` at timed step ``step`` (the check runs on input 0). ``dense=True``: every algorithm's
+    result is made dense inside the timed call (:func:`~sparsync.bench.reducers.collective_fn`).
     """
     P, rank = comm.world_size, comm.rank
     records: list[dict] = []
@@ -90,7 +91,7 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
         calls, live = {}, []
         for a in algorithms:
             try:
-                calls[a] = [collective_fn(comm, a, sv) for sv in svs]
+                calls[a] = [collective_fn(comm, a, sv, dense=dense) for sv in svs]
                 live.append(a)
             except Exception as e:  # noqa: BLE001
                 records.append(dict(key, algorithm=a, kind="error", error=f"{type(e).__name__}: {e}"))
@@ -140,13 +141,15 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
 
 def run_allreduce_bench(world_sizes, numels, densities, patterns, algorithms, networks=("loopback",),
                         repeats=5, warmup=1, seed=0, check=True, timeout=600.0, fallback_loopback=False,
-                        progress=True) -> list[dict]:
+                        progress=True, dense=False, reference="dense") -> list[dict]:
     """Run the benchmark grid; returns one summary row per (network, P, numel, density, pattern, algo).
 
     Row keys: ``network, world_size, numel, density, pattern, algorithm, time_s`` (median over steps
-    of the max over ranks), ``speedup`` (dense time / time, same network/P/config), ``bytes_sent``,
+    of the max over ranks), ``speedup`` (reference time / time, same network/P/config), ``bytes_sent``,
     ``bytes_received``, ``rounds``, ``messages`` (max over ranks), ``correct`` (None if unchecked),
-    ``max_err``, ``error``, ``times_s`` (per-step maxima).
+    ``max_err``, ``error``, ``times_s`` (per-step maxima); ``reference`` names the row ``speedup``
+    divides by (default the dense all-reduce). ``dense=True``: results made dense in the
+    timed call (the lossless algorithms through ``sparse_allreduce_dense``).
     """
     from ..cluster import network_label, open_network
     from ..launch import run_local
@@ -163,16 +166,16 @@ def run_allreduce_bench(world_sizes, numels, densities, patterns, algorithms, ne
             with open_network(network, P, fallback_loopback) as net:
                 label = network_label(network, net)
                 per_rank = run_local(allreduce_worker, P, configs, algorithms, repeats, warmup, seed, check,
-                                     label, progress, backend="gloo", timeout=timeout,
+                                     label, progress, dense, backend="gloo", timeout=timeout,
                                      placement=net.placement)
             if progress:
                 print(f"[{network}] {P} ranks done in {time.perf_counter() - t0:.1f} s", file=sys.stderr,
                       flush=True)
-            rows += _summarize_run(per_rank, configs, algorithms, label, P)
+            rows += _summarize_run(per_rank, configs, algorithms, label, P, reference)
     return rows
 
 
-def _summarize_run(per_rank, configs, algorithms, network, P) -> list[dict]:
+def _summarize_run(per_rank, configs, algorithms, network, P, reference="dense") -> list[dict]:
     rows = []
     for numel, density, pattern in configs:
         def mine(recs, a, kind, cfg=(numel, density, pattern)):
@@ -198,7 +201,7 @@ def _summarize_run(per_rank, configs, algorithms, network, P) -> list[dict]:
                 row["max_err"] = err
                 row["correct"] = len(digests) == 1 and err is not None and err <= 1e-5
             group.append(row)
-        dense = next((r.get("time_s") for r in group if r["algorithm"] == "dense"), None)
+        dense = next((r.get("time_s") for r in group if r["algorithm"] == reference), None)
         for r in group:
             if dense and r.get("time_s"):
                 r["speedup"] = dense / r["time_s"]

@@ -43,6 +43,7 @@ __all__ = [
     "digest",
     "expand_reducers",
     "make_grad",
+    "plain_allgather",
     "run_reducer_bench",
     "summarize",
     "time_collective",
@@ -50,7 +51,7 @@ __all__ = [
 ]
 
 #: what a user would run instead of a sparse all-reduce (see :func:`collective_fn`)
-BASELINES = ("dense", "plain_allgather", "dense_reducer")
+BASELINES = ("dense", "plain_allgather", "dense_reducer", "plain_allgather_reuse", "plain_allgather_int64")
 TIME_KEYS = ("select_s", "comm_s", "total_s", "wall_s")
 MAX_KEYS = ("bytes_sent", "bytes_received", "messages", "rounds", "intra_bytes", "inter_bytes")  # by level: hier
 
@@ -142,50 +143,100 @@ def _timed_steps(comm, call, steps: int, warmup: int, record, before=None):
     return out, result
 
 
-def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None = None,
+def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None = None, dense: bool = False,
                   **options) -> Callable[[], object]:
     """A no-argument callable running one lossless all-reduce of ``sv`` (or a baseline).
 
     Registered algorithms are called directly (no input check, no conversion of a dense result to
-    a SparseVec), so timing covers the algorithm only. Baselines (:data:`BASELINES`): ``"dense"``:
-    the bare in-place all-reduce of a dense vector (``sv.to_dense()``, or a random vector of
-    ``numel`` elements when ``sv`` is None, built now) - one gloo ``all_reduce`` call, what torch DDP
-    does; the buffer is reduced again on every call (the values grow by ``P`` per call; the time does
-    not depend on them); ``"dense_reducer"``: sparsync's ``dense`` reducer on the same vector (a
-    fresh result every call, input untouched), to compare with the bare all-reduce;
-    ``"plain_allgather"``: what a user writes by hand - two plain all-gathers of the (int64
-    indices, values) tensors (every rank must have the same nnz) and ``index_add_`` into a zero dense
-    vector in rank order (issue 11's reference).
+    a SparseVec), so timing covers the algorithm only; ``dense=True``: the result made dense the way
+    a caller gets it, :func:`sparsync.collectives.sparse_allreduce_dense` (without its input check).
+    Baselines (:data:`BASELINES`): ``"dense"``: the bare in-place all-reduce of a dense vector
+    (``sv.to_dense()``, or a random vector of ``numel`` elements when ``sv`` is None, built now) -
+    one gloo ``all_reduce`` call, what torch DDP does; the buffer is reduced again on every call (the
+    values grow by ``P`` per call; the time does not depend on them); ``"dense_reducer"``:
+    sparsync's ``dense`` reducer on the same vector (a fresh result every call, input untouched), to
+    compare with the bare all-reduce; the plain all-gathers a user writes by hand (dense result),
+    :func:`plain_allgather`: ``"plain_allgather"`` (int32 indices, one all-gather, one
+    ``index_add_``, a fresh zero vector per call), ``"plain_allgather_reuse"`` (the same into one
+    zero-filled vector kept across calls) and ``"plain_allgather_int64"`` (the weaker form: int64
+    indices and values in two all-gathers, one ``index_add_`` per rank).
     """
     if algorithm in BASELINES and options:
         raise TypeError(f"the {algorithm} baseline takes no options, got {', '.join(sorted(options))}")
     if algorithm in ("dense", "dense_reducer"):
-        dense = sv.to_dense() if sv is not None else torch.randn(int(numel), device=comm.device)
+        dense_vec = sv.to_dense() if sv is not None else torch.randn(int(numel), device=comm.device)
         if algorithm == "dense_reducer":
             red = make_reducer("dense", comm)
-            return lambda: red.reduce(dense)
-        return lambda: comm.allreduce(dense, out=dense)
-    if algorithm == "plain_allgather":
-        return _plain_allgather(comm, sv)
+            return lambda: red.reduce(dense_vec)
+        return lambda: comm.allreduce(dense_vec, out=dense_vec)
+    if algorithm in PLAIN:
+        return plain_allgather(comm, sv, **PLAIN[algorithm])
     algos = load_collectives()
     if algorithm not in algos:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: dense, {', '.join(sorted(algos))}")
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(BASELINES)}, {', '.join(sorted(algos))}")
+    if dense:
+        from ..collectives.registry import dense_sum
+
+        return lambda: dense_sum(algorithm, sv, comm, **options)
     fn = algos[algorithm]
     return lambda: fn(sv, comm, **options)
 
 
-def _plain_allgather(comm, sv: SparseVec) -> Callable[[], torch.Tensor]:
-    with comm.unrecorded():
-        counts = {int(c[0]) for c in comm.allgather(torch.tensor([sv.nnz], device=comm.device))}
-    if len(counts) != 1:
-        raise ValueError(f"plain_allgather needs the same nnz on every rank, got {sorted(counts)}")
-    idx, vals = sv.indices.to(torch.int64), sv.values
+#: the hand-written plain all-gather baselines -> their :func:`plain_allgather` options
+PLAIN = {"plain_allgather": {}, "plain_allgather_reuse": {"reuse": True}, "plain_allgather_int64": {"wide": True}}
+
+
+def plain_allgather(comm, sv: SparseVec, reuse: bool = False, wide: bool = False) -> Callable[[], torch.Tensor]:
+    """The plain all-gather sum a competent user writes with ``torch.distributed`` (dense result).
+
+    Per call: one all-gather of the counts (``dist.all_gather`` of one int64), then every rank's
+    indices (int32: every index fits, ``numel < 2^31``) and values packed into one byte buffer,
+    padded to the largest count, gathered by ONE ``all_gather_into_tensor``, and ONE ``index_add_``
+    of the concatenation (in rank order) into a zero vector of ``numel`` - ``torch.zeros`` per call,
+    or with ``reuse=True`` one vector kept across calls and zeroed by ``zero_()``. ``wide=True`` is
+    the weaker form (int64 indices; indices and values in two all-gathers of per-rank tensors; one
+    ``index_add_`` per rank), kept to compare with earlier measurements. The index conversion and
+    packing are inside the call (the user's top-k gives int64 indices).
+    """
+    n, vals = sv.numel, sv.values
+    if wide:
+        with comm.unrecorded():
+            counts = {int(c[0]) for c in comm.allgather(torch.tensor([sv.nnz], device=comm.device))}
+        if len(counts) != 1:
+            raise ValueError(f"plain_allgather_int64 needs the same nnz on every rank, got {sorted(counts)}")
+        idx64 = sv.indices.to(torch.int64)
+
+        def call_wide():
+            out = torch.zeros(n, dtype=vals.dtype, device=vals.device)
+            for i, v in zip(comm.allgather(idx64), comm.allgather(vals)):
+                out.index_add_(0, i, v)
+            return out
+
+        return call_wide
+    if n > 2**31 - 1:
+        raise ValueError(f"plain_allgather packs int32 indices; numel {n} does not fit")
+    P, vb = comm.world_size, vals.element_size()
+    kept = torch.zeros(n, dtype=vals.dtype, device=vals.device) if reuse else None
 
     def call():
-        out = torch.zeros(sv.numel, dtype=vals.dtype, device=vals.device)
-        for i, v in zip(comm.allgather(idx), comm.allgather(vals)):
-            out.index_add_(0, i, v)
-        return out
+        k = sv.nnz
+        counts = [int(c[0]) for c in comm.allgather(torch.tensor([k], dtype=torch.int64, device=comm.device))]
+        m = max(counts)
+        send = torch.zeros(m * (4 + vb), dtype=torch.uint8, device=vals.device)
+        send[: 4 * k].view(torch.int32).copy_(sv.indices)
+        send[4 * m: 4 * m + vb * k].view(vals.dtype).copy_(vals)
+        flat = torch.empty(P * send.numel(), dtype=torch.uint8, device=vals.device)
+        comm.allgather_into(send, flat)
+        rows = flat.view(P, -1)
+        idx = rows[:, : 4 * m].contiguous().view(torch.int32)   # [P, m]
+        val = rows[:, 4 * m:].contiguous().view(vals.dtype)      # [P, m]
+        if min(counts) == m:
+            idx, val = idx.reshape(-1), val.reshape(-1)
+        else:
+            idx = torch.cat([idx[r, :c] for r, c in enumerate(counts)])
+            val = torch.cat([val[r, :c] for r, c in enumerate(counts)])
+        out = kept.zero_() if reuse else torch.zeros(n, dtype=vals.dtype, device=vals.device)
+        return out.index_add_(0, idx, val)
 
     return call
 

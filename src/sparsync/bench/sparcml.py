@@ -26,7 +26,9 @@ DEFAULT_ALGOS = ["dense", "torch_sparse", "ssar_rec_dbl", "ssar_split_allgather"
 
 
 def sparcml_worker(comm, configs, algorithms, repeats, warmup, seed, label):
-    from ..collectives.auto import calibrate, choose
+    import torch
+
+    from ..collectives.auto import calibrate, choose, state_of
     from ..select.topk import k_for_density
 
     recs = []
@@ -34,9 +36,12 @@ def sparcml_worker(comm, configs, algorithms, repeats, warmup, seed, label):
         recs += allreduce_worker(comm, [cfg], algorithms, repeats, warmup, seed, True, label, True)
         if "auto" in algorithms:
             a, b, gs, gd = calibrate(comm)
-            # what auto ran: every pattern gives every rank k items, so auto's k is this one
-            pick = choose(comm.world_size, cfg[0], k_for_density(cfg[0], cfg[1]), a, b, gamma_sparse=gs,
-                          gamma_dense=gd)
+            # what auto ran: every pattern gives every rank k items, so auto's k is this one; the choice it
+            # measured on its first call of this shape, else the model's
+            k = k_for_density(cfg[0], cfg[1])
+            st = state_of(comm)
+            pick = st.choices.get(st.key(cfg[0], k, torch.float32)) or choose(
+                comm.world_size, cfg[0], k, a, b, gamma_sparse=gs, gamma_dense=gd)
             recs.append({"numel": cfg[0], "density": cfg[1], "pattern": cfg[2], "algorithm": "auto",
                          "kind": "pick", "pick": pick, "alpha": a, "beta": b,
                          "gamma_sparse": gs, "gamma_dense": gd})

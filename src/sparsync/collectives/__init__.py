@@ -4,6 +4,6 @@ Every module in this package registers its algorithms with :func:`register`; the
 all of its modules on first use, so adding an algorithm means adding one file.
 """
 
-from .registry import ALGORITHMS, COSTS, load_all, register, sparse_allreduce
+from .registry import ALGORITHMS, COSTS, load_all, register, sparse_allreduce, sparse_allreduce_dense
 
-__all__ = ["ALGORITHMS", "COSTS", "load_all", "register", "sparse_allreduce"]
+__all__ = ["ALGORITHMS", "COSTS", "load_all", "register", "sparse_allreduce", "sparse_allreduce_dense"]

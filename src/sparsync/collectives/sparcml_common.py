@@ -29,6 +29,7 @@ import torch
 
 from ..recycle import recycled
 from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
+                      wire_nbytes,
                       set_at, sum_streams)
 
 __all__ = [
@@ -48,7 +49,10 @@ __all__ = [
     "send_stream",
     "split_stream",
     "stream_bytes",
+    "block_bytes",
+    "stream_count",
     "unfold",
+    "write_block",
 ]
 
 
@@ -218,18 +222,21 @@ def densify(x) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- the two phases
-def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtype):
+def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtype, while_waiting=None):
     """Split phase (§3.2/§6): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
 
     Counts first (the comm's size headers, recorded as header traffic), then all payloads posted
     at once (non-blocking); arrivals are decoded in a fixed order (``me-1, me-2, ...``) while the
     later ones are still in flight, then summed in one pass (:func:`~sparsync.sparse.sum_streams`:
     one sort for all ``G`` parts instead of ``G-1`` pairwise unions; result sparse or dense by the
-    actual union size). Returns the summed part ``me``.
+    actual union size). ``while_waiting()``: local work run once the payloads are posted, while
+    they travel (zeroing a dense result buffer). Returns the summed part ``me``.
     """
     G = len(peers)
     parts = split_stream(x, bounds)
     if G == 1:
+        if while_waiting is not None:
+            while_waiting()
         return parts[me]
     order = [(me - i) % G for i in range(1, G)]            # receive from these group positions
     send_order = [(me + i) % G for i in range(1, G)]       # staggered destinations
@@ -237,13 +244,16 @@ def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtyp
     sends = [(peers[j], bufs[j]) for j in send_order]
     sizes = comm.exchange_sizes(sends, [peers[j] for j in order])
     handles = comm.post(sends, [(peers[j], sizes[peers[j]], torch.uint8) for j in order])
+    if while_waiting is not None:
+        while_waiting()
     dim = bounds[me + 1] - bounds[me]
     # every peer is in this rank's state (input dtype, or the sum dtype after a fold): decode as x
     got = [decode(h.wait(), dim, x.dtype) for h in handles]  # decoded while later ones are in flight
     return sum_streams([parts[me]] + got, dim, sum_dtype(dtype), x.device)
 
 
-def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False):
+def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, dense: bool = False, sink=None,
+                     counts: list[int] | None = None):
     """Recursive-doubling all-gather by concatenation over ``len(bounds)-1`` (a power of two) parts.
 
     This rank holds part ``pos`` (re-based payload of dimension ``bounds[pos+1]-bounds[pos]``);
@@ -251,23 +261,77 @@ def allgather_concat(comm, mine, bounds: list[int], pos: int, rank_of, dtype, de
     neighbouring block of ``2^t`` parts; the lower block goes first. ``dense=True``: every block is
     a dense tensor of known size, sent without headers (DSAR's dense all-gather).
     Returns the payload covering ``[bounds[0], bounds[-1])``.
+
+    Sparse streams travel with a size header per step, unless ``counts`` gives every part's stream
+    count (:func:`stream_count`, gathered once by the caller): then every block's size follows from
+    them (:func:`block_bytes`) and no step waits for a header. ``sink(payload, offset)``: every block
+    is handed to it once - this rank's part, then each received block, each while the next exchange
+    is in flight - with ``offset``, its first index (a dense result written block by block while the
+    wire is busy); then the full concatenation is never built and None is returned.
     """
     Q = len(bounds) - 1
     buf = mine
+    pending = (mine, bounds[pos]) if sink is not None else None
     t = 1
     while t < Q:
         ppos = pos ^ t
         lo_me = pos & ~(t - 1)
         lo_p = ppos & ~(t - 1)
         partner = rank_of(ppos)
+        n_p = bounds[lo_p + t] - bounds[lo_p]
         if dense:
-            n_p = bounds[lo_p + t] - bounds[lo_p]
             got = comm.sendrecv(buf, partner, partner, recv_numel=n_p, recv_dtype=dtype)
-        else:
-            got = exchange_stream(comm, buf, partner, bounds[lo_p + t] - bounds[lo_p], dtype)
-        buf = concat(buf, got) if lo_me < lo_p else concat(got, buf)
+        else:  # the messages of exchange_stream, or of known size; the previous block is written meanwhile
+            enc = encode(buf)
+            if counts is None:
+                size = comm.exchange_sizes([(partner, enc)], [partner])[partner]
+            else:
+                size = block_bytes(counts, bounds, lo_p, t, dtype)
+            handle = comm.post([(partner, enc)], [(partner, size, torch.uint8)])[0]
+            if sink is not None:
+                sink(*pending)
+            got = decode(handle.wait(), n_p, dtype)
+            pending = (got, bounds[lo_p])
         t *= 2
+        if sink is None or t < Q:
+            buf = concat(buf, got) if lo_me < lo_p else concat(got, buf)
+    if sink is not None:
+        sink(*pending)
+        return None
     return buf
+
+
+def stream_count(x) -> int:
+    """The item count a payload's stream header carries: ``nnz``, or ``numel`` for a dense one."""
+    return x.nnz if isinstance(x, SparseVec) else x.numel()
+
+
+def block_bytes(counts: list[int], bounds: list[int], lo: int, width: int, dtype) -> int:
+    """Bytes of the encoded block of parts ``[lo, lo+width)`` as :func:`allgather_concat` builds it
+    from parts whose streams carry ``counts`` (:func:`concat`'s rule, lower half first)."""
+
+    def block(lo, width):  # (items, dimension, dense)
+        if width == 1:
+            d = bounds[lo + 1] - bounds[lo]
+            return counts[lo], d, counts[lo] == d  # the stream header's dense marker
+        m1, d1, dense1 = block(lo, width // 2)
+        m2, d2, dense2 = block(lo + width // 2, width // 2)
+        if not (dense1 or dense2) and sparse_is_smaller(m1 + m2, d1 + d2, dtype):
+            return m1 + m2, d1 + d2, False
+        return d1 + d2, d1 + d2, True
+
+    m, d, _ = block(lo, width)
+    return wire_nbytes(m, d, dtype)
+
+
+def write_block(out: torch.Tensor, x, offset: int) -> None:
+    """Write payload ``x`` (a re-based part) into the dense ``out`` at ``[offset, offset + numel(x))``:
+    its items by :func:`~sparsync.sparse.set_at` (``out`` is zero there), or its dense values."""
+    view = out.narrow(0, offset, numel_of(x))
+    if isinstance(x, SparseVec):
+        set_at(view, x.indices, x.values)
+    else:
+        view.copy_(x)
 
 
 # ---------------------------------------------------------------------- cost model helpers

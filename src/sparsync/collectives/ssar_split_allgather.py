@@ -27,9 +27,17 @@ with the dense switch of the code (upper-bound rule while summing, §5 1a; conca
 
 from __future__ import annotations
 
-from ..sparse import SparseVec
+import torch
+
+from ..recycle import fill_zero
+from ..sparse import SparseVec, as_dtype, sum_dtype
 from .registry import register
 from .sparcml_common import (
+    Fold,
+    as_stream,
+    stream_count,
+    pow2_floor,
+    write_block,
     run_folded,
     phase_label,
     cost_setup,
@@ -41,25 +49,54 @@ from .sparcml_common import (
 )
 
 
-def split_and_sum(comm, x, f, numel, dtype, bounds=None):
+def split_and_sum(comm, x, f, numel, dtype, bounds=None, while_waiting=None):
     """Split phase over all ``P'`` survivors; returns (bounds, owned summed part).
 
-    ``bounds``: the ``P'`` index ranges (default :func:`part_bounds`, the thesis' split)."""
+    ``bounds``: the ``P'`` index ranges (default :func:`part_bounds`, the thesis' split);
+    ``while_waiting``: see :func:`~.sparcml_common.direct_split_sum`."""
     bounds = part_bounds(numel, f.Pp) if bounds is None else bounds
     peers = [f.real(v) for v in range(f.Pp)]
     with comm.phase(phase_label(comm, "split")):
-        acc = direct_split_sum(comm, x, bounds, peers, f.vrank, dtype)
+        acc = direct_split_sum(comm, x, bounds, peers, f.vrank, dtype, while_waiting)
     return bounds, acc
 
 
-@register("ssar_split_allgather")
-def ssar_split_allgather(sv: SparseVec, comm, **_):
-    def body(x, f):
-        bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
+@register("ssar_split_allgather", dense=True)
+def ssar_split_allgather(sv: SparseVec, comm, dense: bool = False, out=None, out_zeroed: bool = True, **_):
+    """The exact sum as a payload, or with ``dense=True`` written into ``out`` (``sv.numel`` elements
+    of the sum dtype; zero-filled unless ``out_zeroed=False``, then zeroed here while the split
+    phase's messages travel). Dense, without a fold (``P`` a power of two), the all-gather writes
+    every block into ``out`` while the next one travels, instead of building the concatenation."""
+    if dense:
+        out = out if out is not None else torch.zeros(sv.numel, dtype=sum_dtype(sv.dtype), device=sv.device)
+        if comm.world_size == 1 or pow2_floor(comm.world_size) != comm.world_size:
+            if not out_zeroed:
+                fill_zero(out)
+            write_block(out, as_dtype(run_folded(sv, comm, lambda x, f: _split_allgather(comm, sv, x, f)),
+                                      out.dtype), 0)
+            return out
+        f = Fold(comm.rank, comm.world_size)
+        bounds, acc = split_and_sum(comm, as_stream(sv), f, sv.numel, sv.dtype,
+                                    while_waiting=None if out_zeroed else (lambda: fill_zero(out)))
         with comm.phase(phase_label(comm, "allgather")):
-            return allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype)  # sums: >= fp32
+            allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype, counts=_part_counts(comm, f, acc),
+                             sink=lambda x, offset: write_block(out, x, offset))
+        return out
+    return run_folded(sv, comm, lambda x, f: _split_allgather(comm, sv, x, f))
 
-    return run_folded(sv, comm, body)
+
+def _split_allgather(comm, sv, x, f):
+    bounds, acc = split_and_sum(comm, x, f, sv.numel, sv.dtype)
+    with comm.phase(phase_label(comm, "allgather")):
+        return allgather_concat(comm, acc, bounds, f.vrank, f.real, acc.dtype,  # sums: >= fp32
+                                counts=_part_counts(comm, f, acc))
+
+
+def _part_counts(comm, f, acc):
+    """Every summed part's stream count, gathered once (one small gather, header traffic), so that
+    the all-gather's steps know their sizes; None on a folded world (the survivors alone would have
+    to gather them), where every step exchanges a size header instead."""
+    return comm.gather_counts(stream_count(acc)) if f.e == 0 else None
 
 
 def split_phase_cost(sim, P, n, k, union):
@@ -100,4 +137,4 @@ def split_allgather_cost(P, n, k, value_bytes=4, index_bytes=None, pattern="rand
     return {"rounds": (Pp - 1) + L + extra if Pp > 1 else 0, "bytes_received": num(b), "compute": w}
 
 
-register("ssar_split_allgather", cost=split_allgather_cost)(ssar_split_allgather)
+register("ssar_split_allgather", cost=split_allgather_cost, dense=True)(ssar_split_allgather)

@@ -72,14 +72,16 @@ def _allreduce(args) -> int:
         algorithms = expand_algorithms(args.algorithms)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if "dense" not in algorithms:
-        algorithms = ["dense"] + algorithms  # the speedup column needs it
+    ref = args.reference
+    if ref not in algorithms:
+        algorithms = [ref] + algorithms  # the speedup column needs it
     t0 = time.perf_counter()
     try:
         rows = run_allreduce_bench(args.workers, args.numel, args.densities, patterns, algorithms, args.bandwidth,
                                    repeats=args.repeats, warmup=args.warmup, seed=args.seed,
                                    check=not args.no_check, timeout=args.timeout,
-                                   fallback_loopback=args.fallback_loopback, progress=not args.quiet)
+                                   fallback_loopback=args.fallback_loopback, progress=not args.quiet,
+                                   dense=args.dense_result, reference=ref)
     except ClusterUnavailable as e:
         print(f"sparsync bench allreduce: {e}", file=sys.stderr)
         return 2
@@ -90,7 +92,7 @@ def _allreduce(args) -> int:
                   note=(r.get("error") or "")[:60] or None) for r in rows]
     cols = [("network", "network"), ("world_size", "P"), ("numel", "numel"), ("density", "density"),
             ("pattern", "pattern"), ("algorithm", "algorithm"), ("time", "time ms"),
-            ("speedup", "vs dense"), ("sent", "sent/rank"), ("rounds", "rounds"), ("ok", "exact")]
+            ("speedup", f"vs {ref}"), ("sent", "sent/rank"), ("rounds", "rounds"), ("ok", "exact")]
     if any(r.get("error") for r in rows):
         cols.append(("note", "error"))
     print(format_table(shown, cols, markdown=args.markdown))
@@ -240,11 +242,17 @@ def register(subparsers) -> None:
                    help="comma list of random, identical, disjoint, heavy_tail (issue 11's workload: top-k of "
                         "two alternated heavy-tailed gradients)")
     a.add_argument("--algorithms", default="dense,plain_allgather,allgather,torch_sparse",
-                   help="comma list; 'all' = dense, plain_allgather + every registered algorithm "
-                        "(dense is always added)")
+                   help="comma list; 'all' = the baselines (dense, dense_reducer, plain_allgather[_reuse|_int64]) + "
+                        "every registered algorithm "
+                        "(the --reference row is always added)")
     a.add_argument("--repeats", type=int, default=5, help="timed steps per algorithm (default 5)")
     a.add_argument("--warmup", type=int, default=1, help="untimed steps per algorithm (default 1)")
     a.add_argument("--no-check", action="store_true", help="skip the exactness / cross-rank checks")
+    a.add_argument("--dense-result", action="store_true",
+                   help="make every result dense inside the timed call (the lossless algorithms through "
+                        "ss.sparse_allreduce_dense), as a trainer that needs the dense sum does")
+    a.add_argument("--reference", default="dense",
+                   help="the row the speedup column divides by (default dense; always run)")
     a.set_defaults(func=_allreduce)
 
     r = sub.add_parser("reducers", help="lossy reducers end to end: select / comm / total time")
@@ -263,7 +271,8 @@ def register(subparsers) -> None:
     r.add_argument("--baselines", type=NAMES, default=None,
                    help="comma list of rows timed in the same run before the reducers: 'allreduce' (the bare "
                         "gloo all_reduce; then the 'vs dense' column is relative to it) and/or "
-                        "'plain_allgather' (issue 11's plain all-gather + index_add_ of the exact top-k)")
+                        "'plain_allgather' (the plain all-gather a user writes: int32 indices, one all-gather, one "
+                        "index_add_ of the exact top-k)")
     r.add_argument("--hard-threshold", default="tuned",
                    help="hard_threshold's fixed threshold: 'tuned' (default: the k-th largest |g| of each "
                         "rank's first gradient, averaged over ranks - tuned to the target density once, as "
