@@ -257,7 +257,7 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
     csv_path, json_path = write_comparison(root, [dict(s, path=str(d)) for s, d in zip(summaries, done)],
                                            rows=aggregate_records(summaries))
     print()
-    print(format_table(rows, markdown=False))
+    print(format_table(rows, markdown=False, compact=True))
     print(f"\nreport: {os.path.relpath(report)} (data: {csv_path.name}, {json_path.name}); "
           f"{len(done)} runs in {_clock(time.monotonic() - t0)}")
     return report, rows

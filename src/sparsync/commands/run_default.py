@@ -69,6 +69,8 @@ def register(sub) -> None:
                    help=f"the optimizer of every row (default: {OPTIMIZER} for digits-mlp, the workload's own "
                         "otherwise)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs an interrupted make run finished (runs/make-run) and run the rest")
     p.set_defaults(func=run)
 
 
@@ -114,7 +116,8 @@ def run(a) -> int:
         eval_every=EVAL_EVERY if digits else None, seed=0,
         workload_option=[f"n_test={N_TEST}"] if digits else None, runs_dir=a.runs_dir,
         force=True, no_progress=a.no_progress, timeout=900.0, configs=configs, density=0.01,
-        merge="single", no_baselines=True, name="make-run", ddp_option=None, repeats=a.repeats, seeds=a.seeds)
+        merge="single", no_baselines=True, name="make-run", ddp_option=None, repeats=a.repeats, seeds=a.seeds,
+        resume=a.resume)
     print(f"{a.repeats * a.seeds} rounds x {len(configs.split(';'))} rows, round-robin; every row once per round"
           + (f" ({notes[-1]})" if notes and notes[-1].startswith("trimmed") else ""), flush=True)
     report, _ = compare(args, notes=notes, title=f"make run: {a.workload}, {a.workers} workers, {network}")
@@ -162,11 +165,11 @@ def verdict(summaries: list[dict]) -> str:
     best = min(accurate or reached, key=lambda a: a["time_to_target_s"].mid)
     ttt = lambda iv: iv.format(lambda x: f"{x:.2f}")
     checks = []
-    r16 = ratio_to(agg, "ddp-fp16")[best["config"]]
+    r16 = ratio_to(best, by["ddp-fp16"])
     checks.append((decide(r16, GOAL_TTT), f"time to target {ttt(r16)}x torch DDP + fp16 (goal <= {GOAL_TTT:g})"))
     for r in ("ddp-powersgd1", "ddp-powersgd4"):
         if r in by:
-            iv = ratio_to(agg, r)[best["config"]]
+            iv = ratio_to(best, by[r])
             d = decide(iv, 1.0)
             word = {"yes": "faster", "no": "NOT faster", "not decided": "not decided: faster"}[d]
             base = by[r]["time_to_target_s"]

@@ -185,13 +185,13 @@ def _iv(values):
     return interval(v) if v else None
 
 
-def ratio_to(agg: list[dict], base_reducer: str, key: str = "time_to_target_s") -> dict:
-    """Config key -> Interval of ``row / base`` per round (``key`` of each run; not reached = inf)."""
-    base = next((a for a in agg if a["reducer"] == base_reducer), None)
+def ratio_to(row: dict, base: dict | None, key: str = "time_to_target_s"):
+    """Interval of ``row / base`` (two :func:`aggregate` entries) over the rounds both ran (``key`` of
+    each run; not reached = inf); ``None`` without a baseline or a common round."""
     if base is None:
-        return {}
-    b = {_round(r): r.get(key) for r in base["runs"]}
-    return {a["config"]: interval(paired_ratios({_round(r): r.get(key) for r in a["runs"]}, b)) for a in agg}
+        return None
+    by = lambda a: {_round(r): r.get(key) for r in a["runs"]}
+    return interval(paired_ratios(by(row), by(base)))
 
 
 def _ms(iv):
@@ -232,9 +232,19 @@ _COLS = [("short", "row"), ("step_ms", "step ms"), ("x_floor", "x floor"), ("com
          ("final_acc", "final acc"), ("vs_dense", "speed-up vs dense"), ("n", "runs"), ("config", "configuration")]
 
 
-def format_table(rows: list[dict], markdown: bool = True) -> str:
-    """The comparison table (columns :data:`_COLS`), Markdown or aligned text."""
-    return _format_table(rows, _COLS, markdown=markdown, first_left=True)
+#: the terminal's table: the columns a verdict reads, then which row is which configuration
+_TERMINAL = ("short", "step_ms", "x_floor", "compute_ms", "wait_ms", "mb_step", "steps_to_target", "time_to_target",
+             "final_acc", "vs_dense", "n")
+
+
+def format_table(rows: list[dict], markdown: bool = True, compact: bool = False) -> str:
+    """The comparison table (columns :data:`_COLS`), Markdown or aligned text; ``compact``: the
+    columns of :data:`_TERMINAL`, followed by one line per row naming its full configuration."""
+    if not compact:
+        return _format_table(rows, _COLS, markdown=markdown, first_left=True)
+    cols = [c for c in _COLS if c[0] in _TERMINAL]
+    key = [f"  {r['short']}: {r['config']}" for r in rows if r["short"] != r["config"]]
+    return _format_table(rows, cols, markdown=markdown, first_left=True) + ("\nrows:\n" + "\n".join(key) if key else "")
 
 
 def _run_table(summaries: list[dict]) -> str:
