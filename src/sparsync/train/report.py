@@ -147,7 +147,7 @@ def aggregate(summaries: list[dict]) -> list[dict]:
     fl = floors(summaries)
     names = short_labels(summaries)
     groups: dict = {}
-    for s in summaries:
+    for s in sorted(summaries, key=lambda s: s.get("config_index", 0)):  # the order compare ran them in
         groups.setdefault(_key(s), []).append(s)
     dense = next((g for g in groups.values() if g[0].get("reducer") == "dense"), None)
     out = []
@@ -347,40 +347,36 @@ def _median_curve(series: list[list[tuple[float, float]]]):
     return xs, [median(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
-def _plot_curves(plt, agg, metrics, title, target, metric, out_dir: Path) -> None:
-    """accuracy_vs_time.png and loss_vs_time.png: the median over a row's runs, their range as a band."""
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+def _draw_rows(ax, agg, curve_of, skip=lambda a: False) -> None:
+    """One line per row (the median of its runs' curves ``curve_of(summary)``; its own colour, style
+    and marker) and, with several runs, their range as a band."""
     for i, a in enumerate(agg):
-        series = [[(r["time_s"], r["accuracy"]) for r in metrics[id(s)] if "accuracy" in r] for s in a["runs"]]
-        series = [c for c in series if c]
-        if not series:
+        series = [c for c in (curve_of(s) for s in a["runs"]) if c]
+        if skip(a) or not series:
             continue
         xs, ys, lo, hi = _median_curve(series)
         st = _style(i, len(xs))
         ax.plot(xs, ys, label=a["short"], **st)
         if len(series) > 1:
             _band(ax, xs, lo, hi, st["color"])
+
+
+def _plot_curves(plt, agg, metrics, title, target, metric, out_dir: Path) -> None:
+    """accuracy_vs_time.png and loss_vs_time.png: the median over a row's runs, their range as a band."""
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    _draw_rows(ax, agg, lambda s: [(r["time_s"], r["accuracy"]) for r in metrics[id(s)] if "accuracy" in r])
     if target and metric == "accuracy":
         ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:g}")
         ax.set_ylim(max(0.0, min(ax.get_ylim()[0], target - 0.1)), 1.0)
     _finish_time_plot(fig, ax, "held-out accuracy", title, out_dir / "accuracy_vs_time.png")
 
+    def smoothed_loss(s):
+        pts = [(r["time_s"], r["loss"]) for r in metrics[id(s)] if _finite(r.get("loss")) and _finite(r.get("time_s"))]
+        win = [pts[max(0, j - 4):j + 1] for j in range(len(pts))]  # the last 5 steps
+        return [(p[0], sum(q[1] for q in w) / len(w)) for p, w in zip(pts, win)]
+
     fig, ax = plt.subplots(figsize=(9, 4.8))
-    for i, a in enumerate(agg):
-        series = []
-        for s in a["runs"]:
-            pts = [(r["time_s"], r["loss"]) for r in metrics[id(s)]
-                   if _finite(r.get("loss")) and _finite(r.get("time_s"))]
-            win = [pts[max(0, j - 4):j + 1] for j in range(len(pts))]  # the last 5 steps
-            series.append([(p[0], sum(q[1] for q in w) / len(w)) for p, w in zip(pts, win)])
-        series = [c for c in series if c]
-        if not series:
-            continue
-        xs, ys, lo, hi = _median_curve(series)
-        st = _style(i, len(xs))
-        ax.plot(xs, ys, label=a["short"], **st)
-        if len(series) > 1:
-            _band(ax, xs, lo, hi, st["color"])
+    _draw_rows(ax, agg, smoothed_loss)
     ax.set_yscale("log")
     _finish_time_plot(fig, ax, "training loss (rank 0, mean of the last 5 steps)", title, out_dir / "loss_vs_time.png")
 
@@ -448,19 +444,10 @@ def _plot_step_breakdown_and_per_step(plt, agg, metrics, out_dir: Path) -> None:
     for key, fname, ylabel in (("bytes_sent", "bytes_per_step.png", "bytes sent per rank per step"),
                                ("density", "density.png", "achieved density")):
         fig, ax = plt.subplots(figsize=(9, 4.8))
-        for i, a in enumerate(agg):
-            if key == "density" and _is_baseline(a["runs"][0]):
-                continue  # density 1 by definition; drawn, it squeezes the sparse runs into the bottom
-            series = [[(r["step"], r[key]) for r in metrics[id(s)] if isinstance(r.get(key), (int, float))
-                       and r[key] > 0] for s in a["runs"]]
-            series = [c for c in series if c]
-            if not series:
-                continue
-            xs_, ys, lo, hi = _median_curve(series)
-            st = _style(i, len(xs_))
-            ax.plot(xs_, ys, label=a["short"], **st)
-            if len(series) > 1:
-                _band(ax, xs_, lo, hi, st["color"])
+        # density 1 by definition for dense and torch DDP; drawn, it squeezes the sparse runs into the bottom
+        skip = (lambda a: _is_baseline(a["runs"][0])) if key == "density" else (lambda a: False)
+        _draw_rows(ax, agg, lambda s, key=key: [(r["step"], r[key]) for r in metrics[id(s)]
+                                                if isinstance(r.get(key), (int, float)) and r[key] > 0], skip)
         if key == "density" and any(_is_baseline(a["runs"][0]) for a in agg):
             ax.set_title("dense and torch DDP send every entry (density 1; not drawn)", fontsize=9)
         ax.set_yscale("log")
