@@ -174,6 +174,7 @@ def schedule(root: Path, cfgs: list, rounds: list[tuple[int, int]]) -> list[dict
     for k, (rep, seed) in enumerate(rounds):
         for i, cfg in enumerate(cfgs):
             c = dataclasses.replace(cfg, seed=seed, reducer_options=dict(cfg.reducer_options),
+                                    workload_options=dict(cfg.workload_options),
                                     convergence=dict(cfg.convergence), ddp_options=dict(cfg.ddp_options))
             if len(rounds) > 1:
                 c.runs_dir, c.name = str(root / cfg.name), f"r{rep}-s{seed}"

@@ -173,7 +173,8 @@ def verdict(summaries: list[dict]) -> str:
             d = decide(iv, 1.0)
             word = {"yes": "faster", "no": "NOT faster", "not decided": "not decided: faster"}[d]
             base = by[r]["time_to_target_s"]
-            checks.append((d, f"{word} than {r}: {ttt(iv) if iv else '-'}x its time to target "
+            zero = lambda x: "0" if x == 0 else f"{x:.2f}"  # 0: a round where it never reached the target
+            checks.append((d, f"{word} than {r}: {iv.format(zero) if iv else '-'}x its time to target "
                               f"({'not reached' if base is None else base.format(lambda x: f'{x:.2f} s')})"))
     g = gap[best["config"]]
     if g is not None:
