@@ -126,7 +126,7 @@ def run(a) -> int:
     text = verdict(load_runs(report.parent))
     print(text)
     with open(report, "a") as f:
-        f.write("## Verdict\n\n" + "".join(f"    {line}\n" for line in text.splitlines()) + "\n")
+        f.write("\n## Verdict\n\n" + "".join(f"    {line}\n" for line in text.splitlines()) + "\n")
     return 0
 
 
