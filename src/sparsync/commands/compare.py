@@ -7,7 +7,8 @@ plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_st
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
 ``delay=1`` is SparseDDP's delayed averaging (docs/engine.md) and any other key is a reducer
 option. ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
-``nocomm`` the no-communication floor. The configurations run one after the other on the same
+``nocomm`` the no-communication row (one of the candidates for the floor,
+:mod:`sparsync.train.report`). The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
 (``comparison.csv``, ``comparison.json``; in Python ``sparsync.train.load_runs(dir)``) go to
