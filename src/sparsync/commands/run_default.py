@@ -121,9 +121,9 @@ def run(a) -> int:
     print(f"{a.repeats * a.seeds} rounds x {len(configs.split(';'))} rows, round-robin; every row once per round"
           + (f" ({notes[-1]})" if notes and notes[-1].startswith("trimmed") else ""), flush=True)
     report, _ = compare(args, notes=notes, title=f"make run: {a.workload}, {a.workers} workers, {network}")
-    from ..train.records import load_runs
+    import json
 
-    text = verdict(load_runs(report.parent))
+    text = verdict(json.loads((report.parent / "comparison.json").read_text())["runs"])  # this run's, no other
     print(text)
     with open(report, "a") as f:
         f.write("\n## Verdict\n\n" + "".join(f"    {line}\n" for line in text.splitlines()) + "\n")
