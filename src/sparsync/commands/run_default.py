@@ -58,9 +58,9 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=WORKERS, default=1, help="rounds per seed (default 1)")
     p.add_argument("--seeds", type=WORKERS, default=ROUNDS,
                    help=f"seeds 0 .. N-1, one round each (default {ROUNDS}): every row runs once per round")
-    p.add_argument("--workers", type=WORKERS, default=4)
+    p.add_argument("--workers", type=WORKERS, default=4, help="ranks (processes)")
     p.add_argument("--workload", default="digits-mlp", help="digits-mlp (default) or lm")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help="the comparison goes to <runs-dir>/make-run")
     p.add_argument("--loopback", action="store_true", help="force loopback even when root")
     p.add_argument("--sparse", default=None, metavar="CONFIGS",
                    help='";"-separated sparse configurations (compare syntax) instead of the default '
@@ -68,7 +68,7 @@ def register(sub) -> None:
     p.add_argument("--optimizer", default=None, choices=["sgd", "momentum", "nesterov", "adam"],
                    help=f"the optimizer of every row (default: {OPTIMIZER} for digits-mlp, the workload's own "
                         "otherwise)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--resume", action="store_true",
                    help="keep the runs an interrupted make run finished (runs/make-run) and run the rest")
     p.set_defaults(func=run)

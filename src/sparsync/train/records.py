@@ -34,11 +34,18 @@ CSV_COLUMNS = ["name", "config", "round", "repeat", "seed", "label", "workload",
 
 
 def _run_dirs(path: Path) -> list[Path]:
-    """``path`` itself, or its runs: ``<config>/summary.json`` (one run per configuration) and
-    ``<config>/<round>/summary.json`` (``compare --repeats / --seeds``)."""
+    """One run directory, or the runs of a comparison - ``<config>/summary.json`` (one run per
+    configuration) and ``<config>/<round>/summary.json`` (``compare --repeats / --seeds``) - in the
+    order of its ``comparison.json`` (as ``compare`` ran them); runs it does not list follow, by name."""
     if (path / "summary.json").exists():
         return [path]
-    return sorted({p.parent for p in (*path.glob("*/summary.json"), *path.glob("*/*/summary.json"))})
+    dirs = sorted({p.parent for p in (*path.glob("*/summary.json"), *path.glob("*/*/summary.json"))})
+    try:
+        listed = [Path(r["path"]).resolve() for r in json.loads((path / "comparison.json").read_text())["runs"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return dirs
+    order = {p: i for i, p in enumerate(listed)}
+    return sorted(dirs, key=lambda d: (order.get(d.resolve(), len(order)), str(d)))
 
 
 def add_speedups(records: list[dict]) -> list[dict]:

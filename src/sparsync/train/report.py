@@ -291,7 +291,7 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
 
     _plot_curves(plt, agg, metrics, title, target, metric, out_dir)
     _plot_time_to_target(plt, agg, title, out_dir)
-    _plot_step_breakdown_and_per_step(plt, agg, metrics, out_dir)
+    _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir)
 
     n_rounds = len({_round(s) for s in summaries})
     lines = [f"# {title}", ""]
@@ -304,7 +304,9 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
                   "each value is the median over the rounds with its 95 % bootstrap interval `[low, high]` "
                   "(2000 resamples, fixed seed; with fewer than 6 runs that interval is the runs' range); ratios "
                   "are taken within each round first", ""]
-    for n in notes or []:
+    notes = list(notes or [])
+    notes += [c for c in network_caveats(s0.get("network")) if not any("loopback" in n.lower() for n in notes)]
+    for n in notes:
         lines.append(f"- {n}")
     if notes:
         lines.append("")
@@ -332,6 +334,21 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
     return p
 
 
+def network_caveats(network) -> list[str]:
+    """What the report must say about a network that is not bandwidth-limited."""
+    if network == "loopback":
+        return ["**loopback is not bandwidth-limited**: the ranks exchange through this machine's memory, so "
+                "the bytes saved by sparsification barely show in the step time and selection costs dominate; "
+                "`--bandwidth 1gbit` (emulated cluster, root) or a real cluster shows what sending less is worth"]
+    if network == "thread":
+        return ["**thread ranks**: in-process, no network at all - step times say nothing about communication"]
+    return []
+
+
+#: bytes/density plots use a log axis only when the values span more than this factor
+LOG_SPAN = 10.0
+
+
 def _band(plt_ax, xs, lo, hi, color) -> None:
     plt_ax.fill_between(xs, lo, hi, color=color, alpha=0.15, lw=0)
 
@@ -347,9 +364,10 @@ def _median_curve(series: list[list[tuple[float, float]]]):
     return xs, [median(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
 
 
-def _draw_rows(ax, agg, curve_of, skip=lambda a: False) -> None:
+def _draw_rows(ax, agg, curve_of, skip=lambda a: False) -> list[float]:
     """One line per row (the median of its runs' curves ``curve_of(summary)``; its own colour, style
-    and marker) and, with several runs, their range as a band."""
+    and marker) and, with several runs, their range as a band. Returns every y value drawn."""
+    drawn = []
     for i, a in enumerate(agg):
         series = [c for c in (curve_of(s) for s in a["runs"]) if c]
         if skip(a) or not series:
@@ -359,6 +377,8 @@ def _draw_rows(ax, agg, curve_of, skip=lambda a: False) -> None:
         ax.plot(xs, ys, label=a["short"], **st)
         if len(series) > 1:
             _band(ax, xs, lo, hi, st["color"])
+        drawn += [y for c in series for _, y in c]
+    return drawn
 
 
 def _plot_curves(plt, agg, metrics, title, target, metric, out_dir: Path) -> None:
@@ -408,9 +428,12 @@ def _plot_time_to_target(plt, agg, title, out_dir: Path) -> None:
     plt.close(fig)
 
 
-def _plot_step_breakdown_and_per_step(plt, agg, metrics, out_dir: Path) -> None:
+def _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir: Path) -> None:
     """step_breakdown.png (main thread vs reducer work per configuration, medians over the runs, the
-    measured step's interval as an error bar), bytes_per_step.png and density.png (per step)."""
+    measured step's interval as an error bar), bytes_per_step.png and density.png (per step).
+    ``runs``: (summary, metrics) pairs; ``summaries``: the same summaries."""
+    agg = aggregate(summaries)
+    metrics = {id(s): m for s, m in runs}
     fig, ax = plt.subplots(figsize=(10, 4.8))
     xs = list(range(len(agg)))
     w = 0.38
@@ -446,11 +469,12 @@ def _plot_step_breakdown_and_per_step(plt, agg, metrics, out_dir: Path) -> None:
         fig, ax = plt.subplots(figsize=(9, 4.8))
         # density 1 by definition for dense and torch DDP; drawn, it squeezes the sparse runs into the bottom
         skip = (lambda a: _is_baseline(a["runs"][0])) if key == "density" else (lambda a: False)
-        _draw_rows(ax, agg, lambda s, key=key: [(r["step"], r[key]) for r in metrics[id(s)]
-                                                if isinstance(r.get(key), (int, float)) and r[key] > 0], skip)
+        drawn = _draw_rows(ax, agg, lambda s, key=key: [(r["step"], r[key]) for r in metrics[id(s)]
+                                                        if isinstance(r.get(key), (int, float)) and r[key] > 0], skip)
         if key == "density" and any(_is_baseline(a["runs"][0]) for a in agg):
             ax.set_title("dense and torch DDP send every entry (density 1; not drawn)", fontsize=9)
-        ax.set_yscale("log")
+        if drawn and max(drawn) > LOG_SPAN * min(drawn):  # a narrow range on a log axis: unreadable ticks
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
@@ -482,7 +506,8 @@ def _finish_time_plot(fig, ax, ylabel: str, title: str, path) -> None:
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    _legend_outside(ax)
+    if ax.get_legend_handles_labels()[0]:
+        _legend_outside(ax)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
