@@ -33,7 +33,7 @@ import sys
 DEFAULT_SPARSE = ["micro:0.02,momentum=0.9,masking=false,warmup_steps=20,warmup_start=0.05,value_dtype=fp16",
                   "micro:0.01,momentum=0.9,masking=false,warmup_steps=20,warmup_start=0.05,value_dtype=fp16"]
 #: what the rounds cost: trimmed from one 100-step round of nine rows to fit ROUNDS rounds in ~10 minutes
-TRIMMED = ("80 steps per run instead of 100 (every row crossed the target by step ~55 so far); plain micro 1 % "
+TRIMMED = ("80 steps per run instead of 100 (every row crossed the target by step 60 so far); plain micro 1 % "
            "left out (--sparse brings it back)")
 #: the optimizer of every row of the digits table (torch DDP's included; other workloads keep their
 #: own): SGD with Nesterov momentum 0.9. It reaches the
