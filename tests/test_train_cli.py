@@ -81,6 +81,6 @@ def test_run_default_verdict_and_choice():
     assert "cannot judge" in verdict(base[:2] + [fast])
     # a faster row that ends 2 points below dense is not the best one; the accurate one is judged
     out = verdict(base + [{**fast, "label": "sloppy", "time_to_target_s": 3.0, "final_accuracy": 0.95}, fast])
-    assert "best sparse micro reached the target in 3.90 s" in out and out.startswith("goal MET")
+    assert "best sparsync row micro reached the target in 3.90 s" in out and out.startswith("goal MET")
     out = verdict(base + [{**fast, "final_accuracy": 0.95}])  # none within 0.5 points: the fastest, judged
     assert "[NO] final accuracy 2.00 points below dense" in out

@@ -11,13 +11,21 @@ steps (``diloco:H`` = ``dense,sync_every=H``; docs/localsteps.md), ``adam_freeze
 AdamW freeze its second moment after N steps (:mod:`sparsync.adam`), and any other key is a reducer
 option. ``ddp-localsgd<H>[,warmup=N]`` is torch's post-local SGD averaging every H steps,
 ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
-``nocomm`` the no-communication floor. The configurations run one after the other on the same
+``nocomm`` the no-communication row (one of the candidates for the floor,
+:mod:`sparsync.train.report`). The configurations run one after the other on the same
 network (so they never compete for the 2 cores), each into ``<runs-dir>/<name>/<config>/``; the
 report (``report.md`` + PNG plots, :mod:`sparsync.train.report`) and the same numbers as data
 (``comparison.csv``, ``comparison.json``; in Python ``sparsync.train.load_runs(dir)``) go to
 ``<runs-dir>/<name>/``. Baselines dense SparseDDP, torch DDP and torch DDP + fp16 hook are added
 unless ``--no-baselines``. Every configuration is checked (names, options, merge plan, network)
 before the first one starts.
+
+``--repeats R --seeds S`` runs every configuration R x S times, in R x S *rounds* (repeat r, seed
+``--seed`` + s), round-robin - A B C, A B C, ... - so that a slow minute of the machine hits every
+row of a round alike; each run goes to ``<runs-dir>/<name>/<config>/r<repeat>-s<seed>/``. The
+report gives each number as the median over the rounds with a 95 % bootstrap interval, and ratios
+between rows are taken within a round first (:mod:`sparsync.train.stats`). ``--resume`` keeps the
+runs a previous, interrupted invocation finished (same configuration) and runs the rest.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from . import DENSITY, UsageError, doc_text
@@ -101,6 +110,14 @@ def register(sub) -> None:
     p.add_argument("--no-baselines", action="store_true", help="do not add dense, ddp and ddp-fp16")
     p.add_argument("--name", default=None, help="comparison name (directory <runs-dir>/<name>)")
     p.add_argument("--checkpoints", action="store_true", help="keep each configuration's final checkpoint")
+    from . import WORKERS
+
+    p.add_argument("--repeats", type=WORKERS, default=1, help="rounds per seed: every configuration runs once per "
+                   "round, round-robin (default 1)")
+    p.add_argument("--seeds", type=WORKERS, default=1, help="seeds --seed, --seed+1, ...: one round each per "
+                   "repeat (default 1)")
+    p.add_argument("--resume", action="store_true", help="keep the runs of this comparison that finished before "
+                   "(same configuration) and run the others")
     p.set_defaults(func=run)
 
 
@@ -173,6 +190,48 @@ def _check_name(name: str, what: str) -> None:
         raise UsageError(str(e)) from None
 
 
+def rounds_of(repeats: int, seeds: int, seed0: int = 0) -> list[tuple[int, int]]:
+    """``(repeat, seed)`` of every round, in the order the rounds run."""
+    return [(r, seed0 + k) for r in range(repeats) for k in range(seeds)]
+
+
+def schedule(root: Path, cfgs: list, rounds: list[tuple[int, int]]) -> list[dict]:
+    """Every run of a comparison in launch order: round by round, and inside a round every
+    configuration in the order given (round-robin: A B C, A B C, ...). Each job is ``{"round",
+    "repeat", "seed", "index", "config", "cfg"}``, ``cfg`` a copy of the configuration with the
+    round's seed and its own run directory: ``root/<config>/`` for a single round (the layout of a
+    plain comparison), ``root/<config>/r<repeat>-s<seed>/`` otherwise."""
+    import dataclasses
+
+    jobs = []
+    for k, (rep, seed) in enumerate(rounds):
+        for i, cfg in enumerate(cfgs):
+            c = dataclasses.replace(cfg, seed=seed, reducer_options=dict(cfg.reducer_options),
+                                    workload_options=dict(cfg.workload_options),
+                                    convergence=dict(cfg.convergence), ddp_options=dict(cfg.ddp_options))
+            if len(rounds) > 1:
+                c.runs_dir, c.name = str(root / cfg.name), f"r{rep}-s{seed}"
+            jobs.append({"round": k, "repeat": rep, "seed": seed, "index": i, "config": cfg.name, "cfg": c})
+    return jobs
+
+
+def _finished(cfg) -> bool:
+    """Whether ``cfg``'s run directory holds a finished run of exactly this configuration."""
+    from ..train.runs import RunDir
+
+    rd = RunDir(Path(cfg.runs_dir) / cfg.name)
+    try:
+        old = rd.read_config()
+        return (rd.summary() is not None and old is not None and old.fingerprint() == cfg.fingerprint()
+                and old.steps == cfg.steps)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _clock(s: float) -> str:
+    return f"{int(s) // 60}:{int(s) % 60:02d}"
+
+
 def compare(args, notes: list[str] | None = None, title: str | None = None):
     """Run every configuration; returns (report path, table rows)."""
     import json
@@ -180,32 +239,83 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
     from ..train.loop import launch
     from ..train.records import write_comparison
     from ..train.report import format_table, table_rows, write_report
-    from ..train.runs import prepare_dir
+    from ..train.runs import RunDir, RunLock, prepare_dir
 
     root, cfgs = plan(args)
-    tb = tensorboard_tail(getattr(args, "tensorboard", None), cfgs)
-    # --force empties only a comparison directory sparsync made, and not while another process uses it
-    lock = prepare_dir(root, "compare", args.force, what="comparison directory")
-    done = []
+    resume = bool(getattr(args, "resume", False))
+    rounds = rounds_of(getattr(args, "repeats", 1) or 1, getattr(args, "seeds", 1) or 1, args.seed)
+    jobs = schedule(root, cfgs, rounds)
+    tb = tensorboard_tail(getattr(args, "tensorboard", None), [_TbRun(j, len(rounds)) for j in jobs])
+    # --force empties only a comparison directory sparsync made, and not while another process uses it;
+    # --resume keeps the directory and its finished runs (still one writer: the lock)
+    if resume and root.is_dir():
+        lock = RunLock(root, "comparison directory").acquire()
+    else:
+        lock = prepare_dir(root, "compare", args.force, what="comparison directory")
+    done, t0, ran = [], time.monotonic(), []
     with tb, contextlib.closing(lock):
-        for i, cfg in enumerate(cfgs):
-            print(f"[{i + 1}/{len(cfgs)}] {cfg.label()} on {cfg.workers} workers ({cfg.network})", flush=True)
+        for n, job in enumerate(jobs):
+            cfg = job["cfg"]
+            path = Path(cfg.runs_dir) / cfg.name
+            where = f"round {job['round'] + 1}/{len(rounds)} (seed {job['seed']}): " if len(rounds) > 1 else ""
+            if resume and _finished(cfg):
+                print(f"[{n + 1}/{len(jobs)}] {where}{cfg.label()}: finished before, kept", flush=True)
+                done.append(path)
+                continue
+            spent = time.monotonic() - t0
+            eta = f", about {_clock(sum(ran) / len(ran) * (len(jobs) - n))} left" if ran else ""
+            print(f"[{n + 1}/{len(jobs)}] {where}{cfg.label()} on {cfg.workers} workers ({cfg.network}); "
+                  f"{_clock(spent)} elapsed{eta}", flush=True)
+            start = time.monotonic()
             try:
-                launch(cfg, force=True)
-                done.append(root / cfg.name)
+                summary = launch(cfg, force=True)
+                RunDir(path).write_summary({**summary, "config": job["config"], "config_index": job["index"],
+                                            "round": job["round"], "repeat": job["repeat"]})
+                done.append(path)
             except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
                 print(f"  {cfg.label()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
                       file=sys.stderr)
                 (notes := notes if notes is not None else []).append(
-                    f"configuration `{cfg.label()}` failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    f"configuration `{cfg.label()}`{' in ' + where.rstrip(': ') if where else ''} failed: "
+                    f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            ran.append(time.monotonic() - start)
     if not done:
         raise AllConfigurationsFailed(f"every configuration failed ({len(cfgs)}; the messages above say why)")
-    title = title or f"{args.workload}: {len(done)} configurations, {cfgs[0].workers} workers, {cfgs[0].network}"
+    title = title or (f"{args.workload}: {len(cfgs)} configurations" + (f" x {len(rounds)} rounds" if len(rounds) > 1
+                                                                         else "")
+                      + f", {cfgs[0].workers} workers, {cfgs[0].network}")
     report = write_report(root, done, title, notes)
     summaries = [json.loads((d / "summary.json").read_text()) for d in done]
-    csv_path, json_path = write_comparison(root, [dict(s, path=str(d)) for s, d in zip(summaries, done)])
     rows = table_rows(summaries)
+    csv_path, json_path = write_comparison(root, [dict(s, path=str(d)) for s, d in zip(summaries, done)],
+                                           rows=aggregate_records(summaries))
     print()
-    print(format_table(rows, markdown=False))
-    print(f"\nreport: {os.path.relpath(report)} (data: {csv_path.name}, {json_path.name})")
+    print(format_table(rows, markdown=False, compact=True))
+    print(f"\nreport: {os.path.relpath(report)} (data: {csv_path.name}, {json_path.name}); "
+          f"{len(done)} runs in {_clock(time.monotonic() - t0)}")
     return report, rows
+
+
+class _TbRun:
+    """What :func:`tensorboard_tail` needs of a run: its label (with the round when there are
+    several) and its directory."""
+
+    def __init__(self, job: dict, rounds: int):
+        c = job["cfg"]
+        self.runs_dir, self.name = c.runs_dir, c.name
+        self._label = c.label() + (f" {c.name}" if rounds > 1 else "")
+
+    def label(self) -> str:
+        return self._label
+
+
+def aggregate_records(summaries: list[dict]) -> list[dict]:
+    """The table's rows as data (``comparison.json``'s ``rows``): per configuration, each quantity's
+    median, low, high and number of runs."""
+    from ..train.report import aggregate
+
+    keys = ("step_s", "compute_s", "select_s", "comm_s", "wait_s", "bytes", "density", "time_to_target_s",
+            "steps_to_target", "final_accuracy", "x_floor", "speedup")
+    return [{"config": a["config"], "label": a["label"], "short": a["short"], "reducer": a["reducer"], "n": a["n"],
+             "speedup_kind": a["speedup_kind"], **{k: a[k].to_dict() if a[k] is not None else None for k in keys}}
+            for a in aggregate(summaries)]

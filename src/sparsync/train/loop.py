@@ -18,7 +18,11 @@ torch's own ``DistributedDataParallel`` (``reducer="ddp"``; ``"ddp-fp16"`` adds 
 of a deterministic global batch (:meth:`Workload.batch_indices`). Rank 0 appends one JSON line per
 step to ``metrics.jsonl``: loss, wall time split (forward, backward, optimizer; and from the engine
 select / comm / wait / backward-compute), bytes sent and received, achieved density; every
-``eval_every`` steps the held-out accuracy (evaluation time is excluded from the wall-clock).
+``eval_every`` steps the held-out accuracy and loss (rank 0; evaluation time is excluded from the
+wall-clock, and the ranks meet at an untimed barrier after it, so the next step starts as after any
+other step). Time and steps to target are interpolated between the evaluations on either side of
+the crossing (:func:`sparsync.train.stats.crossing`; the target is on accuracy, or on the metric a
+configuration's ``target_metric`` names).
 
 Resume: every rank saves model, optimizer, engine (reducer residuals etc.) and the loop's counters;
 since data depend only on (seed, step), a resumed run reproduces the uninterrupted one's losses
@@ -374,8 +378,11 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
                     rec["perplexity"] = ev["perplexity"]
                 evals.append({"step": step, "time_s": train_time, **ev})
                 last_acc = ev["accuracy"]
-                if time_to_target is None and cfg.target_reached(ev):
+                if time_to_target is None and _reached(cfg, ev):
                     time_to_target = train_time
+                comm.barrier()  # untimed: every rank starts the next step together, as after any step
+                #                 (else the others compute it while rank 0 evaluates, and rank 0's next
+                #                 step finds the cores free: steps after an evaluation would look faster)
             losses.append(lv)
             rows.append(rec)
             if metrics_f is not None:
@@ -398,10 +405,30 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
         checkpoint(cfg.steps)
     _close(ddp)
     summary = summarize(cfg, rows if rd is None else RunDir(run_path).metrics() if rank == 0 else rows,
-                        evals, time_to_target, train_time, numel)
+                        evals, time_to_target, train_time, numel, n_heldout=int(wl.y_test.shape[0]))
     if record_losses:
         summary["losses"] = losses
     return summary
+
+
+def target_of(cfg: TrainConfig) -> tuple[str, float, bool]:
+    """``(metric, target, higher is better)`` of a run: held-out accuracy against
+    ``target_accuracy`` unless the configuration names another metric (``target_metric``, with its
+    value in ``target_value``; e.g. a held-out loss, reached going down)."""
+    from .stats import HIGHER_IS_BETTER
+
+    metric = getattr(cfg, "target_metric", None) or ("loss" if cfg.target_loss is not None else "accuracy")
+    value = getattr(cfg, "target_value", None)
+    if value is None and metric == "loss":
+        value = cfg.target_loss
+    target = float(value if value is not None and metric != "accuracy" else cfg.target_accuracy)
+    return metric, target, HIGHER_IS_BETTER.get(metric, True)
+
+
+def _reached(cfg: TrainConfig, ev: dict) -> bool:
+    metric, target, higher = target_of(cfg)
+    v = ev.get(metric)
+    return v is not None and (v >= target if higher else v <= target)
 
 
 def _resume(resume_info, cfg, rank, model, opt, ddp):
@@ -469,9 +496,14 @@ def _close(ddp) -> None:
         close()
 
 
-def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_target, train_time, numel) -> dict:
-    """Final numbers of a run (summary.json)."""
+def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_target, train_time, numel,
+              n_heldout: int | None = None) -> dict:
+    """Final numbers of a run (summary.json). Time and steps to target are interpolated between
+    the evaluations on either side of the crossing (:func:`sparsync.train.stats.crossing`);
+    ``time_to_target_eval_s`` is the first evaluation's own time."""
     import statistics as stt
+
+    from .stats import crossing
 
     steady = rows[min(len(rows) - 1, 3):] if rows else []  # drop warm-up steps from the averages
 
@@ -484,6 +516,10 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         return stt.mean(vals) if vals else None
 
     final = evals[-1] if evals else {}
+    metric, target, higher = target_of(cfg)
+    cross = crossing(evals, target, metric, higher)
+    if cross is None and time_to_target is not None:  # evaluations of a resumed run's old checkpoint
+        cross = {"time_s": time_to_target, "steps": None, "eval_time_s": time_to_target, "eval_steps": None}
     return {
         "name": cfg.name, "label": cfg.label(), "workload": cfg.workload,
         # a DiLoCo row is not the per-step reducer's row (tables find dense SparseDDP by "dense")
@@ -493,9 +529,11 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
         "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
         "best_accuracy": max((e["accuracy"] for e in evals), default=None),
-        "target_accuracy": cfg.target_accuracy, "target_loss": cfg.target_loss,
-        "final_perplexity": final.get("perplexity"), "time_to_target_s": time_to_target,
-        "steps_to_target": next((e["step"] + 1 for e in evals if cfg.target_reached(e)), None),
+        "target_accuracy": cfg.target_accuracy, "target_loss": cfg.target_loss, "target_metric": metric,
+        "target_value": target, "final_perplexity": final.get("perplexity"),
+        "time_to_target_s": cross and cross["time_s"], "steps_to_target": cross and cross["steps"],
+        "time_to_target_eval_s": cross and cross["eval_time_s"], "eval_every": cfg.eval_every,
+        "n_heldout": n_heldout, "seed": cfg.seed,
         "train_time_s": train_time,
         "median_step_s": med("step_s"), "median_compute_s": med("compute_s"), "median_select_s": med("select_s"),
         "median_comm_s": med("comm_s"), "median_wait_s": med("wait_s"),

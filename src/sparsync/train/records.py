@@ -1,7 +1,9 @@
 """Runs as records: :func:`load_runs` (Python) and ``comparison.csv`` / ``comparison.json`` (files).
 
 A record is one run's ``summary.json`` (what ``sparsync train`` / ``compare`` wrote) plus ``path``
-(its directory) and the speed-ups over the dense SparseDDP run of the same comparison:
+(its directory) and the speed-ups over the dense SparseDDP run of the same comparison and round
+(``compare --repeats / --seeds`` runs every configuration once per round; ``round``, ``repeat``,
+``seed`` and ``config`` say which run it is):
 ``speedup_time_to_target`` (dense's time to target / this run's; None when either did not reach it)
 and ``speedup_step`` (dense's median step time / this run's). ``with_metrics=True`` adds the
 per-step lines of ``metrics.jsonl`` as ``metrics``.
@@ -22,31 +24,39 @@ from pathlib import Path
 __all__ = ["CSV_COLUMNS", "add_speedups", "load_runs", "write_comparison"]
 
 #: the scalar columns of comparison.csv, in order (the JSON file holds every summary field)
-CSV_COLUMNS = ["name", "label", "workload", "reducer", "density", "merge", "workers", "network", "steps", "numel",
-               "final_accuracy", "best_accuracy", "target_accuracy", "time_to_target_s", "train_time_s",
+CSV_COLUMNS = ["name", "config", "round", "repeat", "seed", "label", "workload", "reducer", "density", "merge",
+               "workers", "network", "steps", "numel",
+               "final_accuracy", "best_accuracy", "target_accuracy", "time_to_target_s", "steps_to_target",
+               "time_to_target_eval_s", "train_time_s",
                "median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
                "mean_step_s", "median_bytes_sent", "median_density", "final_train_loss",
                "speedup_time_to_target", "speedup_step"]
 
 
 def _run_dirs(path: Path) -> list[Path]:
-    """One run directory, or the runs of a comparison in configuration order: the order of its
-    ``comparison.json`` (as ``compare`` ran them); runs it does not list follow, by name."""
+    """One run directory, or the runs of a comparison - ``<config>/summary.json`` (one run per
+    configuration) and ``<config>/<round>/summary.json`` (``compare --repeats / --seeds``) - in the
+    order of its ``comparison.json`` (as ``compare`` ran them); runs it does not list follow, by name."""
     if (path / "summary.json").exists():
         return [path]
-    dirs = sorted(p.parent for p in path.glob("*/summary.json"))
+    dirs = sorted({p.parent for p in (*path.glob("*/summary.json"), *path.glob("*/*/summary.json"))})
     try:
-        listed = [Path(r["path"]).name for r in json.loads((path / "comparison.json").read_text())["runs"]]
+        listed = [Path(r["path"]).resolve() for r in json.loads((path / "comparison.json").read_text())["runs"]]
     except (OSError, ValueError, KeyError, TypeError):
         return dirs
-    order = {name: i for i, name in enumerate(listed)}
-    return sorted(dirs, key=lambda d: (order.get(d.name, len(order)), d.name))
+    order = {p: i for i, p in enumerate(listed)}
+    return sorted(dirs, key=lambda d: (order.get(d.resolve(), len(order)), str(d)))
 
 
 def add_speedups(records: list[dict]) -> list[dict]:
-    """Set ``speedup_time_to_target`` and ``speedup_step`` relative to the dense SparseDDP record."""
-    dense = next((r for r in records if r.get("reducer") == "dense"), None)
+    """Set ``speedup_time_to_target`` and ``speedup_step`` relative to the dense SparseDDP record of
+    the same round (``round`` field; records without one form one round)."""
+    dense_of = {}
     for r in records:
+        if r.get("reducer") == "dense":
+            dense_of.setdefault(r.get("round", 0), r)
+    for r in records:
+        dense = dense_of.get(r.get("round", 0))
         tt, bt = r.get("time_to_target_s"), dense and dense.get("time_to_target_s")
         st, bs = r.get("median_step_s"), dense and dense.get("median_step_s")
         r["speedup_time_to_target"] = bt / tt if tt and bt else None
@@ -72,8 +82,9 @@ def load_runs(path, with_metrics: bool = False) -> list[dict]:
     return add_speedups(out)
 
 
-def write_comparison(out_dir, records: list[dict]) -> tuple[Path, Path]:
-    """``comparison.csv`` (one row per run, :data:`CSV_COLUMNS`) and ``comparison.json`` (full records)."""
+def write_comparison(out_dir, records: list[dict], rows: list[dict] | None = None) -> tuple[Path, Path]:
+    """``comparison.csv`` (one row per run, :data:`CSV_COLUMNS`) and ``comparison.json`` (full records,
+    and ``rows``: the report's per-configuration medians and intervals, when given)."""
     out_dir = Path(out_dir)
     records = add_speedups([dict(r) for r in records])
     csv_path, json_path = out_dir / "comparison.csv", out_dir / "comparison.json"
@@ -82,5 +93,6 @@ def write_comparison(out_dir, records: list[dict]) -> tuple[Path, Path]:
         w.writeheader()
         for r in records:
             w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
-    json_path.write_text(json.dumps({"runs": records}, indent=1, default=str))
+    json_path.write_text(json.dumps({"runs": records, **({"rows": rows} if rows is not None else {})}, indent=1,
+                                    default=str))
     return csv_path, json_path
