@@ -1,5 +1,6 @@
-"""Every ```python block of README.md runs as printed: each in its own Python process (the package from
-this tree on the path), under a timeout, and must exit 0 and print something."""
+"""Every ```python block of README.md (and of docs/architecture.md) runs as printed: each in its own
+Python process (the package from this tree on the path), under a timeout, and must exit 0 and print
+something."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-BLOCKS = re.findall(r"^```python\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M)
+BLOCKS = [b for doc in ("README.md", "docs/architecture.md")
+          for b in re.findall(r"^```python\n(.*?)^```", (ROOT / doc).read_text(), flags=re.S | re.M)]
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 4
+    assert len(BLOCKS) >= 5
 
 
 @pytest.mark.gloo

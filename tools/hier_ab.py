@@ -1,6 +1,8 @@
-"""flat reducer vs hier (inner dense, outer = the same reducer), same density, alternated call by call on one
-process group of the emulated 2x2 cluster; per call the max over ranks, then the median.
-usage: ab.py NETWORK:REDUCER[:STEPS] ..."""
+"""Flat reducer against `hier` (inner dense, outer the same reducer), same density, alternated call by
+call in one process group of an emulated sites cluster; per call the max over ranks, then the median.
+
+usage: python tools/hier_ab.py NETWORK:REDUCER[:STEPS] ...   e.g. 2x2@none/200mbit:micro (root: namespaces)
+"""
 import statistics
 import sys
 import time
