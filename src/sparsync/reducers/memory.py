@@ -45,7 +45,7 @@ class BufferedAccumulator:
     take the check: on a NaN found half-way the residual would already hold half of the gradient,
     and ``(r + g) - g`` is not ``r`` in floating point; here the residual is unchanged when it raises.
     SparseDDP checks its gradients itself (``nonfinite="ignore"``) and keeps the one buffer.
-    The timings behind these choices are in ``docs/micro.md`` ("Buffers").
+    The timings behind these choices: ``docs/micro.md``, "Performance" (error feedback in one pass).
     """
 
     reuse_buffers = True
