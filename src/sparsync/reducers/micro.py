@@ -344,7 +344,9 @@ class MicroReducer(BufferedAccumulator, Reducer):
             out = IndexedSum(union, vals, self.numel)
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
             window.chose(delta, j)
-            self.controller.delta = next_delta = delta
+            # a window whose lowest edge passed (density 1: everything sent) may give 0; the next window
+            # needs a positive centre (as the controller's own update keeps it)
+            self.controller.delta = next_delta = max(delta, 1e-30)
         else:
             # The controller sees the transmitted K even when a rank hit its budget: a structurally
             # dense partition must not push the global threshold up (that would starve the others).
