@@ -29,7 +29,7 @@ import torch
 
 from . import native
 
-__all__ = ["block_count", "block16_bytes", "block16_pays", "encode_block16", "decode_block16"]
+__all__ = ["block_count", "block16_bytes", "block16_pays", "encode_block16", "decode_block16", "gather_block16"]
 
 BLOCK = 1 << 16
 
@@ -75,3 +75,17 @@ def decode_block16(msg: torch.Tensor, start: int, nb: int, count: int) -> torch.
     base = torch.arange(nb, dtype=torch.int64, device=msg.device) * BLOCK + (int(start) + BLOCK // 2)
     out = torch.repeat_interleave(base, counts, output_size=count)
     return out.add_(msg[2 * nb:2 * nb + count].to(torch.int64))
+
+
+def gather_block16(idx: torch.Tensor, counts: list[int], starts: list[int], rank: int, nb: int,
+                   gather_padded) -> list[torch.Tensor]:
+    """Every rank's sorted int64 indices, in rank order, from one exchange of their block16 messages.
+
+    Rank ``r`` holds ``counts[r]`` indices in ``[starts[r], starts[r] + nb * 65536)`` (known to every
+    rank); this rank's are ``idx``. ``gather_padded(msg, sizes)`` exchanges the uint8 messages (gloo
+    has no int16) padded to the largest size (:func:`sparsync.comm.gather_padded`). This rank's own
+    list is ``idx`` itself (``decode(encode(idx)) == idx``)."""
+    msg = encode_block16(idx, starts[rank], nb).view(torch.uint8)
+    got = gather_padded(msg, [block16_bytes(c, nb) for c in counts])
+    return [idx.to(torch.int64) if r == rank else decode_block16(m.view(torch.int16), s, nb, c)
+            for r, (m, s, c) in enumerate(zip(got, starts, counts))]

@@ -178,7 +178,7 @@ class GradientPolicy:
         slice by slice of the flat velocity, ``c`` the local-clipping factor (1 when not clipped),
         so the engine need not copy the gradients into a flat buffer first.
 
-        ``fold_into``: the reducer's residual (:meth:`~sparsync.reducers.micro.BufferedAccumulator.folding_buffer`);
+        ``fold_into``: the reducer's residual (:meth:`~sparsync.reducers.memory.BufferedAccumulator.folding_buffer`);
         what the reducer would accumulate (``u``, or Nesterov's ``g + m u``) is added into it in the
         same pass (:func:`sparsync.native.momentum_fold`: one pass instead of two, or three with
         Nesterov; the same bits) and it is returned, for ``reduce`` after ``mark_folded``."""

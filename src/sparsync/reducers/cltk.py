@@ -9,7 +9,7 @@ No build-up (exactly ``k`` entries), but the other ranks wait while the leader s
 own large entries wait until a leader picks them.
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the leader's exact top-k kernel
+(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the leader's exact top-k kernel
 (leader only), one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
 
 Why: the comparison point of the MiCRO paper for "no build-up, but selection-bound".
@@ -31,7 +31,7 @@ import torch
 from ..select.topk import topk_abs
 from ..sparse import index_dtype_for, set_at
 from .base import Reducer
-from .micro import BufferedAccumulator
+from .memory import BufferedAccumulator
 from .registry import register
 
 

@@ -10,7 +10,7 @@ so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units
 ``log2 P * k`` pairs in the reduction (:meth:`GTopkReducer.predicted_cost`, exact).
 
 Passes over the ``n`` entries per call (the rest is ``O(k log P)``): ``acc = grad + residual`` into a
-recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
+recycled buffer (:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
 The global-set test of ``residuals="partial"`` goes through a persistent flag vector
 (:class:`~sparsync.sparse.IndexFlags`), the merges through one stable sort of ``2k`` entries
@@ -31,9 +31,9 @@ from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import IndexFlags, add_at
 from .base import Reducer
-from .micro import BufferedAccumulator
+from .memory import BufferedAccumulator
 from .registry import register
-from .topkdsa import select_topk
+from ..select.exact import topk_indices as select_topk
 
 
 @register("gtopk")

@@ -16,12 +16,12 @@ Cost (ring all-gather, per rank; ``c_r`` entries selected by rank ``r``)::
     rounds = P - 1,   bytes_received = (P - 1) * max_r (8 + min(c_r (index_bytes + value_bytes), n value_bytes))
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the threshold kernel, one zero
+(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the threshold kernel, one zero
 fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`), plus one pass per
 rank whose stream travels dense (when its selection is over the sparse/dense break-even).
 
 Options: ``threshold`` (default ``1/(2 sqrt(k))`` with ``k = density * n``, as the reference
-snapshot; the density is used for nothing else), ``reuse_buffers`` (see :mod:`.micro`).
+snapshot; the density is used for nothing else), ``reuse_buffers`` (see :mod:`.memory`).
 
 ``stats``: ``selected`` = this rank's count ``c_r`` (``density = c_r / n`` - compare with
 ``target_density``), ``gathered`` = ``sum_r c_r`` (the upper bound of the union), ``threshold``.
@@ -35,7 +35,7 @@ from ..sparse import sum_in_rank_order
 from ..select.threshold import Workspace, check_threshold, initial_threshold, threshold_indices
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, sparse_is_smaller
 from .base import Reducer
-from .micro import BufferedAccumulator
+from .memory import BufferedAccumulator
 from .registry import register
 
 

@@ -1,139 +1,38 @@
 """``micro``: MiCRO - partitioned exclusive threshold selection with threshold scaling.
 
-What (``spec/micro.md`` §2-§6, Algorithm 1): the flat gradient is split into ``P`` contiguous
-partitions; at step ``t`` rank ``r`` owns partition ``(t mod P + r) mod P``. Each rank
+Yoon & Oh, "MiCRO: Near-Zero Cost Gradient Sparsification for Scaling and Accelerating Distributed
+DNN Training", Algorithm 1. The flat gradient is cut into ``P`` contiguous partitions; at
+step ``t`` rank ``r`` owns partition ``(t mod P + r) mod P``. Each rank
 
-1. accumulates ``acc = grad + residual`` (local error feedback),
-2. selects ``idx_r = {j in own partition : |acc[j]| >= delta_t}`` - only ``n/P`` entries are read,
-   and partitions are disjoint, so the union has no duplicates ("no gradient build-up"),
-3. all-gathers the index lists (default rule: sizes known from the calibration, one padded
-   all-gather by direct sends, see ``gather``; feedback rules: ``comm.allgatherv``), and
-   concatenates them in *partition* order, which is the globally sorted union ``idx_t`` on every
-   rank,
-4. sums ``acc[idx_t]`` over ranks - every rank contributes at every selected index, including
-   those chosen by other ranks. Default for ``P > 2`` (``values="owner"``): each rank sends the values at rank
-   ``q``'s indices to ``q``, the owner sums them in rank order and sends the sums back - a
-   reduce-scatter + all-gather along the partitions in two direct batches (2 dependent rounds
-   instead of the ring all-reduce's ``2(P - 1)``, the same bytes; see ``values`` below);
-   ``values="gather"``: every rank sends its values at the whole union to every peer (one direct
-   batch: one dependent round instead of two, ``(P - 1) K`` values received instead of ``~2K``) and
-   every rank adds the ``P`` contributions in rank order itself (the default for ``P <= 2``);
-   ``values="allreduce"``: one dense all-reduce of the ``K_t`` values (the paper's wording),
-5. zeroes ``acc[idx_t]`` and keeps the rest as residual (conserving), and
-6. scales the threshold for the next step.
+1. accumulates ``acc = grad + residual`` (local error feedback, :mod:`.memory`),
+2. selects ``idx_r = {j in own partition : |acc[j]| >= delta_t}`` (at most
+   ``ceil(cap_factor * k / P)``, the largest kept) - partitions are disjoint, so the union has no
+   duplicates,
+3. all-gathers the index lists and concatenates them in partition order: the sorted union ``idx_t``,
+   the same on every rank (default rule: one padded all-gather, optionally as 16-bit block offsets,
+   :func:`sparsync.blockindex.gather_block16`),
+4. sums ``acc[idx_t]`` over ranks (``values``: ``"owner"`` - each union slice summed in rank order
+   by its owner and sent back; ``"gather"`` - every rank sums every contribution in rank order;
+   ``"allreduce"`` - the paper's dense all-reduce of the values),
+5. keeps ``acc`` with ``idx_t`` cleared as its residual (conserving; half-precision values keep their
+   rounding error there too, except on the ``"allreduce"`` path), and
+6. chooses the next threshold: by default (``rule="histogram"``) calibrated every step from one
+   all-gather of per-rank counts at ``bins + 1`` candidate thresholds
+   (:class:`sparsync.select.calibration.ThresholdWindow`); ``"adaptive"`` / ``"proportional"`` /
+   ``"micro"`` (the authors' rule) are the communication-free rules of
+   :class:`sparsync.select.threshold.ThresholdController` fed with the global ``K_t``.
 
-Why: selection cost ``O(n/P)`` with a streaming kernel instead of an ``O(n)`` top-k, and a
-communication volume that tracks the target ``k = density * n`` (global: summed over ranks).
+The output is :class:`~.base.IndexedSum` (``idx_t`` and the summed values), bitwise the same on every
+rank. Cost per rank: :meth:`MicroReducer.predicted_cost` (equal to the ledger; ``m`` = the largest
+per-rank count, ``K`` = the union's size)::
 
-Threshold rule (option ``rule``; ``spec/micro.md`` §5 leaves it open, see ``docs/micro.md``):
+    rounds = (P - 1) [histogram]  +  (P - 1) [start="data", steps 0-1]  +  (P - 1) [indices, m > 0]
+             +  (2 (P - 1) [values="owner", "allreduce"]  |  (P - 1) [values="gather"])  [K > 0]
 
-* ``"histogram"`` (default) - per-step calibration. The threshold of the last step is the centre
-  of a window of ``bins + 1`` log-spaced candidate thresholds ``center * s ** (2j/bins - 1)``. Each
-  rank finds the entries of its partition above the lowest one (the same streaming kernel), counts
-  them per bin, and ONE all-gather of the ``bins + 2`` counts (1 KiB per rank, latency-bound; sent
-  directly to every peer, see ``gather``)
-  gives every rank the global count at every candidate; all pick the same threshold - the one
-  whose global count is closest to ``k`` - and filter their candidates. Since every rank then
-  knows every rank's count, the index all-gather needs no count exchange (one padded
-  all-gather), so the rule costs ``P - 1`` extra latency-bound rounds in all. The window spread ``s`` starts at
-  ``spread`` (1.1), squares (up to ``max_spread``) whenever the choice hits an end of the window
-  and shrinks back otherwise, so a threshold that is 1000x off is found in ~10 steps. The window
-  is centred ahead of the last threshold by the last step's trend (option ``lead``), and the first
-  two windows on a sampled estimate from the data (option ``start``; see ``_window_center``).
-  Measured: within +-1% of the target every step on the digits-MLP and drifting heavy-tailed streams.
-  Why not the pure feedback rule: with error feedback the count reacts to a threshold change
-  ~``1/density`` times more steeply right after it than in steady state, so a rule that only sees
-  last step's count is either slow or oscillates (``ThresholdController`` docstring); and the
-  per-step count of an SGD stream fluctuates by ~25% with the batch gradient norm.
-* ``"adaptive"`` / ``"proportional"`` / ``"micro"`` - communication-free feedback rules of
-  :class:`~sparsync.select.threshold.ThresholdController` fed with the global ``K_t`` (known to
-  every rank after step 3, so ``delta`` stays identical everywhere); ``"micro"`` is the authors'
-  x1.005 / x1.00125 / x0.995 rule, for reproduction.
-
-Cost (per rank ``r``, ``m = max_r |idx_r|`` index elements, ``m_r = |idx_r|``, ``K = sum_r |idx_r|``,
-``value_bytes`` on the wire - the contributions and, on the owner path, the sums; ``nb`` =
-``ceil(ceil(n/P) / 65536)`` blocks per partition)::
-
-    rounds         = (P - 1) [histogram rule]  +  (P - 1) [start="data", steps 0-1]  +  (P - 1)
-                     +  2 (P - 1) [values="owner", "allreduce"]  |  (P - 1) [values="gather"]
-    bytes_received = (P - 1) (bins + 2) 8 [histogram rule]  +  (P - 1) 8 [start="data", steps 0-1]
-                     +  (P - 1) * 2 (2 nb + m)    [histogram rule, block16 indices, when < m * index_bytes]
-                     |  (P - 1) * m * index_bytes [otherwise]
-                     + (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes   [values="owner"]
-                     + (P - 1) * K * value_bytes                              [values="gather"]
-                     + 2 (P - 1) * K * value_bytes // P                       [values="allreduce"]
-
-(the ledger counts a batch of ``P - 1`` direct messages as ``P - 1`` rounds, like a ring step
-each; on the wire the owner path is two dependent batches where the ring all-reduce is
-``2(P - 1)`` dependent steps - each of which, with more ranks than cores, waits for the next
-process to be scheduled: measured in docs/benchmarks.md, issue 10).
-
-plus, for the feedback rules only, ``P - 1`` 8-byte count headers (``allgatherv``). With a
-calibrated threshold ``K ~= k`` and ``m ~= k/P`` (:meth:`MicroReducer.predicted_cost` gives the
-bounds ``ceil(k/P) <= m <= k``). When ``K = 0`` no value all-reduce is issued (every rank knows
-``K``); when ``m = 0`` no index all-gather either.
-
-Other options (``make_reducer("micro", comm, density, ...)``):
-
-* ``threshold`` - initial ``delta_0`` (default ``1/(2 sqrt(k))``, ``spec/micro.md`` §5).
-* ``spread``, ``max_spread``, ``bins``, ``lead`` (0..1, default 0.7: how far the window's centre
-  follows the last step's threshold ratio; 0 = centred on the last threshold), ``start``
-  (``"data"``, default: the first two windows are centred on a sampled estimate, one 8-byte
-  all-gather each; ``"guess"``: the widest window around ``delta_0``) - histogram rule;
-  ``gamma``, ``max_step``, ``band``, ``min_step``, ``grow``, ``shrink`` (feedback rules, see
-  ``ThresholdController``).
-* ``cap_factor`` - per-partition budget: a rank sends at most ``ceil(cap_factor * k / P)`` indices
-  (default 4; the largest-magnitude ones among those that passed, the rest stay in the residual).
-  It bounds the message when the threshold is far too low (e.g. the first steps). ``None``: no cap.
-* ``force_nonempty`` - mimic the reference snapshot: a rank that selects nothing sends index
-  ``start + (t mod size)`` of its partition (default False: empty selections are allowed).
-* ``reuse_buffers`` - accumulate in place (default True): ``acc`` is the residual tensor itself,
-  ``residual += grad`` (:class:`BufferedAccumulator`), instead of a fresh allocation (a fresh 40 MB
-  tensor costs ~7 ms of page faults at n = 1e7 on this machine). The residual tensor of step ``t``
-  is therefore overwritten at step ``t + 1``: clone it if you keep it. It also
-  recycles the dense output (:meth:`Reducer.zeros_output`): a buffer is reused only after the
-  caller has dropped every reference to it (views included) and is zeroed in full, so outputs the
-  caller keeps are never touched (a fresh 40 MB output cost ~7 ms per rank per step, ~15-25 ms
-  with 4 ranks on 2 cores).
-* ``values`` - how the selected values are summed: ``"owner"``, ``"gather"`` or ``"allreduce"``
-  (see step 4); ``"auto"`` (default): ``"gather"`` for ``P <= 2`` (there it receives the same ``K``
-  values as the owner path, in one round instead of two, and no sum is rounded), ``"owner"``
-  beyond. The owner adds the ``P`` contributions in rank order in fp32 and sends the sums, so
-  every rank holds the same bits. With ``value_dtype`` fp16/bf16 both the contributions and the
-  sums travel in half precision, and every rounding error stays in a residual - each rank's
-  contribution's in its own, each sum's in its owner's (at the owner's own indices, where it is
-  sent again once it has grown) - so the path is conserving at half the value bytes. The
-  all-reduce sums half-precision values on the wire (not conserving then). ``"gather"`` trades
-  bytes for latency: one batch of direct messages instead of the owner path's two dependent ones,
-  at ``(P - 1) / 2`` times the owner path's value bytes (1.5x at P = 4); every rank sums the same
-  ``P`` contributions in the same order, so all hold the same bits, and only the contributions are
-  rounded to ``value_dtype`` (each rank keeps its own rounding error): conserving.
-* ``indices`` - how the padded index all-gather of the default rule encodes the indices:
-  ``"block16"`` as 16-bit offsets within 65536-entry blocks of the sender's partition plus one
-  int32 count per block (:mod:`sparsync.blockindex`; used when it is smaller than ``index_bytes``
-  per index, i.e. from ``2 nb`` indices on: half the index bytes), ``"plain"`` int32 (int64 beyond
-  ``2^31`` entries), ``"auto"`` (default) block16 with ``value_dtype`` fp16/bf16, plain with fp32.
-  The result is bitwise the same. Why "auto": the codec costs ~0.4 ms more CPU per call at 25k
-  indices per rank (P = 4), and on the CPU-bound emulated cluster at 1 Gbit/s that made the fp32
-  reduce of issue 11 4-8 % slower; a caller who sends half values has chosen bytes over CPU.
-* ``gather`` - how the fixed-size all-gathers of the default rule (histogram counts, padded index
-  lists, and the contributions of ``values="gather"``) travel: ``"direct"`` (default) posts the
-  ``P - 1`` sends and receives at once (``comm.allgather_direct``); ``"ring"`` uses
-  ``comm.allgather`` (gloo's ring: ``P - 1`` dependent steps). The ledger is the same (``P - 1``
-  rounds, messages, and ``(P - 1) * nbytes`` each way); on the emulated cluster a 1 KiB ring
-  all-gather took 1.3-3.9 ms, the direct batch 0.3 ms, and with more ranks than cores every ring
-  step waits for a process to be scheduled.
-
-Learning rate: the reducer sums whatever it is given; pass ``lr * grad`` for the paper's form
-(``e + eta G``) or the raw gradient for the snapshot's form (``spec/micro.md`` §4) - the threshold
-adapts to either scale.
-
-``stats``: ``selected`` = ``K_t`` (values every rank contributes and receives), ``density`` =
-``K_t / n`` vs ``target_density``; ``local_selected`` (this rank's indices), ``passed`` (before the
-cap), ``saturated`` (cap hit), ``threshold`` (used this step), ``next_threshold``, ``partition``,
-``max_count``, ``spread``; times ``select_s``, ``comm_s`` (of which ``comm_calibrate_s``,
-``comm_indices_s``, ``comm_values_s``), ``update_s``. ``r.last_indices`` /
-``r.last_union`` hold this rank's selection and the union of the last step.
+Options, the threshold rule's reasoning, the byte formula and measurements: ``docs/micro.md``.
+``stats``: ``selected`` (``K_t``), ``local_selected``, ``passed`` (before the cap), ``saturated``,
+``threshold``, ``next_threshold``, ``partition``, ``max_count``, ``spread``, ``candidates`` and the
+times ``select_s``, ``comm_s`` (``comm_calibrate_s``, ``comm_indices_s``, ``comm_values_s``), ``update_s``.
 """
 
 from __future__ import annotations
@@ -142,11 +41,12 @@ import math
 
 import torch
 
+from ..blockindex import block16_bytes, block16_pays, block_count, gather_block16
 from ..comm import gather_padded
+from ..select.calibration import ThresholdWindow
 from ..select.threshold import (
     ThresholdController,
     Workspace,
-    calibration_edges,
     check_threshold,
     choose_edge,
     initial_threshold,
@@ -158,81 +58,10 @@ from ..select.threshold import (
     partitioned_threshold_select,
     threshold_indices,
 )
-from ..blockindex import block16_bytes, block16_pays, block_count, decode_block16, encode_block16
 from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
+from .memory import BufferedAccumulator
 from .registry import register
-
-
-class BufferedAccumulator:
-    """Mixin: ``acc = grad + residual`` without a fresh allocation (see ``reuse_buffers``).
-
-    ``reuse_buffers=True``: the residual tensor itself becomes the accumulator,
-    ``residual.add_(grad)`` - no allocation (a fresh 40 MB tensor costs ~7 ms of page faults at
-    n = 1e7) and no third array: an in-place add reads two arrays and writes back where it read,
-    where ``torch.add(grad, residual, out=other)`` also has to fetch ``other``'s cache lines before
-    writing them (measured on this machine, n = 4.35M, one thread: in place 1.4-3.2 ms, into a
-    third buffer 2.2-7.4 ms). So ``r.residual`` of step ``t`` is overwritten by step ``t + 1``:
-    clone it to keep it. ``False``: a new tensor ``grad + residual`` every step.
-
-    With the input check on (``nonfinite="error"``) and a reducer that sets ``checks_input``, the
-    check rides on this pass instead of a read pass of its own: ``acc = grad + residual`` is written
-    by :meth:`~sparsync.reducers.base.Reducer.sum_checked` (streaming stores, so the third array is
-    not fetched) into a second buffer, and the two buffers swap roles every step - one more
-    gradient-sized buffer per reducer, so a residual tensor taken from ``r.residual`` is then
-    overwritten two steps later. The in-place add could not take the check: on a NaN found
-    half-way the residual would already hold half of the gradient, and ``(r + g) - g`` is not ``r``
-    in floating point. 25.6M fp32, one thread: 13.6 ms against 12.1 (add) + 6.4 (check) ms; eight
-    such ranks on two cores, 50-61 against 60-78 ms each. SparseDDP checks its gradients itself
-    (``nonfinite="ignore"`` here) and keeps the one buffer.
-    """
-
-    reuse_buffers = True
-    checks_input = True  # every user of this mixin calls accumulate() first, which checks the input
-    _folded: int | None = None  # data_ptr of a residual a caller already added this step's input into
-    _spare: torch.Tensor | None = None  # the second accumulator buffer of the checked path
-
-    def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
-        res = self.residual
-        folded, self._folded = self._folded, None
-        if folded is not None and res is not None and grad.data_ptr() == folded == res.data_ptr():
-            self.check_finite(res)
-            return res  # the caller did ``residual += input`` itself (mark_folded)
-        if res is None:
-            return self.sum_checked(torch.empty_like(grad, memory_format=torch.contiguous_format), grad, None)
-        if (not self.reuse_buffers or res.shape != grad.shape or res.dtype != torch.result_type(grad, res)
-                or res.device != grad.device or res.data_ptr() == grad.data_ptr()):
-            return super().accumulate(grad)  # a new tensor, the sum checked (residual overflow too)
-        if self.nonfinite != "ignore":  # the C kernel, or torch's add and a check of the sum
-            spare = self._spare
-            if (spare is None or spare.shape != res.shape or spare.dtype != res.dtype or spare.device != res.device
-                    or spare.untyped_storage().data_ptr() in (res.untyped_storage().data_ptr(),
-                                                              grad.untyped_storage().data_ptr())):
-                spare = torch.empty_like(res, memory_format=torch.contiguous_format)
-            self.sum_checked(spare, grad, res)  # raises before anything is sent; res unchanged then
-            self._spare = res
-            return spare
-        self.check_finite(grad)  # nothing to do with nonfinite="ignore"
-        return res.add_(grad)
-
-    def folding_buffer(self, numel: int, dtype, device) -> torch.Tensor | None:
-        """The residual, when the next :meth:`accumulate` of a ``(numel,)`` ``dtype`` tensor would add
-        into it in place (else None: first step, ``reuse_buffers=False``, another shape). A caller that
-        computes its input in a pass of its own may add it there in the same pass and then pass the
-        residual itself to ``reduce``, after :meth:`mark_folded` - one pass over the gradient fewer
-        (SparseDDP's momentum correction, :func:`sparsync.native.momentum_fold`)."""
-        res = self.residual
-        if (res is None or not self.reuse_buffers or res.dim() != 1 or res.numel() != numel or res.dtype != dtype
-                or res.device != device):
-            return None
-        return res
-
-    def mark_folded(self, buf: torch.Tensor) -> None:
-        """The next ``reduce`` gets ``buf`` (:meth:`folding_buffer`), which already holds ``residual + input``."""
-        self._folded = buf.data_ptr()
-
-    def _forget_buffers(self) -> None:
-        self._spare = None
 
 
 def value_path(values: str, P: int) -> str:
@@ -292,13 +121,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
                              "band": float(band), "min_step": float(min_step), "grow": float(grow),
                              "shrink": float(shrink)}
         ThresholdController(1, 1.0, **self._controller_options())
-        calibration_edges(1.0, spread, bins)
-        if isinstance(bins, bool) or int(bins) != bins:
-            raise ValueError(f"micro: bins must be an integer >= 1, got {bins!r}")
-        if not float(max_spread) >= float(spread):
-            raise ValueError(f"micro: max_spread must be >= spread, got {max_spread!r} < {spread!r}")
-        self.spread, self.max_spread, self.bins = float(spread), float(max_spread), int(bins)
-        self.spread_now = self.spread
+        self.window = ThresholdWindow(spread, max_spread, bins, lead)  # the histogram rule's candidates
         self.cap_factor = check_cap_factor(cap_factor)
         self.force_nonempty = bool(force_nonempty)
         self.reuse_buffers = bool(reuse_buffers)
@@ -313,32 +136,19 @@ class MicroReducer(BufferedAccumulator, Reducer):
         if start not in ("data", "guess"):
             raise ValueError(f"micro: start must be 'data' or 'guess', got {start!r}")
         self.start = start
-        try:
-            self.lead = float(lead)
-        except (TypeError, ValueError):
-            raise ValueError(f"micro: lead must be a number in [0, 1], got {lead!r}") from None
-        if not 0.0 <= self.lead <= 1.0:
-            raise ValueError(f"micro: lead must be a number in [0, 1], got {lead!r}")
         self.controller: ThresholdController | None = None
         self._ws = Workspace()
         self._bounds: list[tuple[int, int]] | None = None
-        self.data_windows_left = 0  # steps whose window is still centred on sampled data (start="data")
-        self.prev_threshold: float | None = None  # the threshold chosen one step before the last
-        self.trend = 1.0  # ratio of the last two chosen thresholds (histogram rule): the next window's lead
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
         return {"controller": None if self.controller is None else self.controller.state_dict(),
-                "spread": self.spread_now, "prev_threshold": self.prev_threshold, "trend": self.trend,
-                "data_windows_left": self.data_windows_left}
+                **self.window.state_dict()}
 
     def _load_extra_state(self, d: dict) -> None:
         self._forget_buffers()
         self._bounds = None
-        self.spread_now = float(d.get("spread", self.spread))
-        self.prev_threshold = d.get("prev_threshold")
-        self.trend = float(d.get("trend", 1.0))
-        self.data_windows_left = int(d.get("data_windows_left", 0))
+        self.window.load_state_dict(d)
         c = d.get("controller")
         if c is None:
             self.controller = None
@@ -354,12 +164,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
             k = self.k
             d0 = self.threshold0 if self.threshold0 is not None else initial_threshold(k)
             self.controller = ThresholdController(k, d0, **self._controller_options())
-            if self.threshold0 is None:  # delta_0 is a data-blind guess
-                if self.start == "data":  # windows centred on the data until two thresholds give a
-                    self.data_windows_left = 2  # trend (_local_estimate, _window_from_estimates)
-                # "guess" (and the fallback of "data"): the widest window first (measured: with the
-                # narrow one, 2-4x the target for 3 steps)
-                self.spread_now = self.max_spread
+            if self.threshold0 is None:  # delta_0 is a data-blind guess: the widest window first,
+                self.window.start_blind(data=self.start == "data")  # or centred on sampled data
 
     def _controller_options(self) -> dict:
         """The histogram rule keeps its window centre in a controller (unused rule "adaptive")."""
@@ -385,9 +191,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
 
         ``gather="direct"``: one batch of ``P - 1`` sends and receives of known size
         (``comm.allgather_direct``), recorded exactly like a ring all-gather (``P - 1`` rounds, messages and
-        ``(P - 1) * nbytes`` each way), but all messages are in flight at once: a 1 KiB gloo ring
-        all-gather took 1.3-3.9 ms on the emulated 1 Gbit/s cluster, the direct batch 0.3 ms, and
-        each ring step needs every process scheduled, which is what costs on an oversubscribed host.
+        ``(P - 1) * nbytes`` each way), but all messages are in flight at once, where each step of
+        a ring needs every process scheduled (measured: ``docs/micro.md``, "Direct all-gathers").
         ``"ring"``: ``comm.allgather``.
         """
         if self.gather == "ring" or self.comm.world_size == 1:
@@ -450,11 +255,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
                 return gather_padded(idx.to(index_dtype_for(self.numel)), known, self._allgather_fixed)
             P = comm.world_size
             starts = [self._bounds[owned_partition(r, step, P)][0] for r in range(P)]
-            msg = encode_block16(idx, starts[comm.rank], nb).view(torch.uint8)  # gloo has no int16
-            got = gather_padded(msg, [2 * (2 * nb + c) for c in known], self._allgather_fixed)
-            # its own list it has already (decode(encode(idx)) == idx, tested)
-            return [idx.to(torch.int64) if r == comm.rank else decode_block16(m.view(torch.int16), s, nb, c)
-                    for r, (m, s, c) in enumerate(zip(got, starts, known))]
+            return gather_block16(idx, known, starts, comm.rank, nb,
+                                  lambda msg, sizes: gather_padded(msg, sizes, self._allgather_fixed))
 
     def _index_blocks(self) -> int | None:
         """Blocks per partition for ``indices="block16"`` (None: plain indices)."""
@@ -462,71 +264,13 @@ class MicroReducer(BufferedAccumulator, Reducer):
             return None
         return block_count(max(e - s for s, e in self._bounds))
 
-    def _window_center(self, estimate: float | None) -> float:
-        """Histogram rule: the centre of this step's window of candidate thresholds.
-
-        Steady state (``lead``): the last threshold moved on by the last step's trend,
-        ``delta_t * (delta_t / delta_{t-1}) ** lead`` (ratio clamped to [1/4, 4]). With error feedback
-        and momentum the threshold drifts steadily (it grows ~2x per step over the first steps while
-        the velocity and residual build up, and follows a density warm-up), so a window centred on
-        the last threshold lags: its lower end lets in many more candidates than needed, and its
-        ends are hit, which widens it further. Measured on the digits MLP, P = 4, 2 % with a warm-up
-        from 5 % (steps 0-59, thread cluster): with ``lead=0.7`` no end was hit and every step's
-        count was within 0.7 % of the target (17 % before, 4 end hits); the candidates read over
-        steps 0-9 fell 3.7x. The first steps (``start="data"``, ``estimate`` given): see
-        :meth:`_local_estimate`.
-        """
-        if estimate is not None:
-            return self._window_from_estimates(estimate)
-        return self.controller.delta * min(4.0, max(0.25, self.trend)) ** self.lead
-
-    def _local_estimate(self, acc: torch.Tensor, start: int, end: int) -> float:
-        """This rank's estimate of the threshold that passes its share ``k / P`` of its partition
-        (0.0: none), for a window centred on the data in the steps before two thresholds give a trend.
-
-        From a fixed pseudo-random sample (``m >= 65536`` entries, >= 256 expected above the
-        estimate: ~1 ms). :meth:`_window_from_estimates` turns every rank's estimate into one window.
-        Measured (digits MLP, P = 4, 5 %): 61 % of the partition passed the data-blind first window,
-        16 % this one; step 1 still needs it (the threshold doubles between steps 0 and 1 there).
-        """
-        P, L = self.comm.world_size, end - start
-        share = min(1.0, self.controller.target / P / max(L, 1))
-        if L <= 0 or share >= 1.0:
-            return 0.0
-        m = min(L, max(1 << 16, math.ceil(256 / max(share, 1e-12))))
-        g = torch.Generator(device="cpu").manual_seed(12345 + self.comm.rank)
-        pos = torch.randint(start, end, (m,), generator=g).to(acc.device)
-        sample = acc.index_select(0, pos).abs_().float()
-        kth = max(1, min(m, m - int(share * m)))  # kth smallest = the (1 - share) quantile
-        return float(sample.kthvalue(kth).values)
-
     def _window_from_estimates(self, estimate: float) -> float:
-        """One all-gather of the ``P`` local estimates (8 bytes each; steps 0 and 1 only) gives every
-        rank the same window: centred on the geometric mean of the lowest and highest estimate, wide
-        enough to hold both with a 20 % margin for the sampling error. The global count at the lowest
-        estimate is about ``k`` or more, at the highest about ``k`` or less, so the target lies
-        inside, and the window's lowest edge - which sets how many entries the calibration reads -
-        is ~``min / 1.2`` instead of ``delta_0 / 4``. Without any usable estimate (every sample all
-        zero), the widest window around the current centre.
-        """
+        """Steps 0 and 1 (``start="data"``): one all-gather of the ``P`` local estimates (8 bytes each)
+        gives every rank the same window (:meth:`ThresholdWindow.center_from_estimates`)."""
         with self.timed("comm"), self.timed("comm_calibrate"), self.comm.phase(self.name + ".window"):
             mine = torch.tensor([estimate], dtype=torch.float64, device=self.comm.device)
             ests = torch.cat(self._allgather_fixed(mine)).tolist()
-        usable = [e for e in ests if e > 0.0 and math.isfinite(e)]  # 0: an all-zero sample
-        if not usable:
-            self.spread_now = self.max_spread
-            return self.controller.delta
-        lo, hi = min(usable), max(usable)
-        self.spread_now = min(self.max_spread, max(self.spread, 1.2 * math.sqrt(hi / lo)))
-        return math.sqrt(lo * hi)
-
-    def _next_spread(self, j: int) -> None:
-        """Histogram rule: square the window's spread (up to ``max_spread``) when the chosen edge ``j``
-        is an end of the window (the target may lie outside it), else move it back towards ``spread``."""
-        if j in (0, self.bins):
-            self.spread_now = min(self.max_spread, self.spread_now ** 2)
-        else:
-            self.spread_now = max(self.spread, math.sqrt(self.spread_now))
+        return self.window.center_from_estimates(ests, self.controller.delta)
 
     def _reduce(self, grad):
         if self._bounds is None or self.controller is None:
@@ -537,17 +281,16 @@ class MicroReducer(BufferedAccumulator, Reducer):
         start, end = self._bounds[part]
         cap = self._cap(end - start)
         calibrate = self.rule_options["rule"] == "histogram"
-        center, estimate = self.controller.delta, None
+        window, center, estimate = self.window, self.controller.delta, None
         with self.timed("select"):
             acc = self.accumulate(grad)
-            if calibrate and self.data_windows_left:
-                self.data_windows_left -= 1
-                estimate = self._local_estimate(acc, start, end)
-        if calibrate:
-            center = self._window_center(estimate)  # the estimates' all-gather is timed as comm
+            if calibrate and window.take_data_window():
+                estimate = window.local_estimate(acc, start, end, self.controller.target, P, comm.rank)
+        if calibrate:  # the estimates' all-gather is timed as comm
+            center = window.center(center) if estimate is None else self._window_from_estimates(estimate)
         with self.timed("select"):
             if calibrate:
-                edges = calibration_edges(center, self.spread_now, self.bins, acc.dtype, acc.device)
+                edges = window.edges(center, acc.dtype, acc.device)
                 cand = threshold_indices(acc[start:end], float(edges[0]), workspace=self._ws, offset=start)
                 absv = acc.index_select(0, cand).abs_()  # index_select: ~3x cheaper than [] on CPU
                 hist, bucket = local_histogram(absv, edges)
@@ -600,12 +343,10 @@ class MicroReducer(BufferedAccumulator, Reducer):
                 self.residual = acc
             out = IndexedSum(union, vals, self.numel)
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
-            self.trend = 1.0 if self.prev_threshold is None else delta / self.prev_threshold
-            self.prev_threshold = delta
+            window.chose(delta, j)
             # a window whose lowest edge passed (density 1: everything sent) may give 0; the next window
             # needs a positive centre (as the controller's own update keeps it)
             self.controller.delta = next_delta = max(delta, 1e-30)
-            self._next_spread(j)
         else:
             # The controller sees the transmitted K even when a rank hit its budget: a structurally
             # dense partition must not push the global threshold up (that would starve the others).
@@ -614,21 +355,28 @@ class MicroReducer(BufferedAccumulator, Reducer):
         self.stats.update(selected=K, local_selected=int(idx.numel()), passed=int(passed),
                           threshold=delta, next_threshold=next_delta, partition=part,
                           saturated=cap is not None and passed > cap, max_count=max(counts),
-                          spread=self.spread_now, candidates=int(cand.numel()) if calibrate else None)
+                          spread=window.spread_now, candidates=int(cand.numel()) if calibrate else None)
         return out
 
     # ------------------------------------------------------------------ cost
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128,
                        values="auto", rank=None, data_window=False, indices="auto", **_):
-        """Cost per rank (``spec/micro.md`` §6, plus the calibration all-gather of the default rule;
-        the value sum as the module docstring gives it for ``values``). ``data_window``: the step
-        also all-gathers the 8-byte threshold estimates (``start="data"``: steps 0 and 1).
+        """Cost per rank: MiCRO's index all-gather and value sum, plus the calibration all-gather of the
+        default rule. ``data_window``: the step also all-gathers the 8-byte threshold estimates
+        (``start="data"``: steps 0 and 1). With ``m_r`` = rank ``r``'s count, ``m = max_r m_r``,
+        ``K = sum_r m_r``, ``vb`` = ``value_bytes``, ``nb = ceil(ceil(n/P) / 65536)``::
 
-        With the per-rank ``counts`` of a step the result is exact - for ``rank`` (the owner path
-        receives by rank), or the largest over ranks when ``rank`` is None; otherwise it is for
-        ``K = k`` with the bounds ``m in [ceil(k/P), k]`` as a ``(low, high)`` pair (owner path:
-        for the rank that sends the most indices).
+            bytes_received = (P - 1) (bins + 2) 8 [histogram]  +  (P - 1) 8 [data_window]
+                + (P - 1) 2 (2 nb + m)  [histogram rule, block16 indices, when < m index_bytes]
+                  | (P - 1) m index_bytes                             [otherwise]
+                + (P - 1) m_r vb + (K - m_r) vb  [values="owner"]  |  (P - 1) K vb  [values="gather"]
+                  | 2 (P - 1) K vb // P  [values="allreduce"]
+
+        (rounds: the module docstring). With the per-rank ``counts`` of a step the result is exact -
+        for ``rank`` (the owner path receives by rank), or the largest over ranks when ``rank`` is
+        None; otherwise it is for ``K = k`` with the bounds ``m in [ceil(k/P), k]`` as a
+        ``(low, high)`` pair (owner path: for the rank that sends the most indices).
         """
         if P <= 1:
             return {"rounds": 0, "bytes_received": 0}

@@ -35,7 +35,7 @@ globally with the full sum of every rank's contribution (regions are disjoint, n
 inside a region) or dropped entirely, and then every contributor gets its own value back.
 
 Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
-recycled buffer (:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k
+recycled buffer (:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
 which own entries the global selection kept is read off the output (:meth:`OkTopkReducer._in_global_set`).
 
@@ -54,9 +54,9 @@ import torch
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import coalesce_in_order, set_at
 from .base import Reducer
-from .micro import BufferedAccumulator
+from .memory import BufferedAccumulator
 from .registry import register
-from .topkdsa import select_topk
+from ..select.exact import topk_indices as select_topk
 
 #: Balancing histogram (``_balance``): ``64 P`` bins of ``n / (64 P)`` indices. Region boundaries
 #: snap to bin edges, so each region's share is off by at most one bin - about 1/64 (~1.6 %) of a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..plugins import Registry
 
-REDUCERS = Registry(__package__, "reducer", skip=("base", "registry"))
+REDUCERS = Registry(__package__, "reducer", skip=("base", "registry", "memory", "blockbase"))
 
 
 def register(name: str):

@@ -4,7 +4,7 @@
 
 1. sparsify: block-wise top-K by block L2 norm with local error feedback (dense gradients,
    :meth:`reduce`), or the touched rows of an embedding gradient (:meth:`reduce_sparse`, no error
-   feedback) — both from :class:`~sparsync.reducers.blocksparse.BlockReducer`;
+   feedback) — both from :class:`~sparsync.reducers.blockbase.BlockReducer`;
 2. encode the selected elements into an ``r x c`` count sketch whose hashes and signs come from one
    shared ``seed`` (identical on every rank; :class:`sparsync.sketch.CountSketch`), and set the bitmap
    of this rank's non-zero blocks;
@@ -64,7 +64,7 @@ import torch
 
 from ..select.blocks import num_blocks
 from ..sketch import CountSketch, block_bitmap, block_elements, blocks_from_bitmap, sketch_columns
-from .blocksparse import BlockReducer
+from .blockbase import BlockReducer
 from .registry import register
 
 __all__ = ["S2Reducer"]

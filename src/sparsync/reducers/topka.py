@@ -7,7 +7,7 @@ to ``P*k`` entries (gradient build-up). Conserving, also with ``value_dtype="fp1
 rounded before sending, rounding error kept in the residual, sum in fp32).
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.micro.BufferedAccumulator`: no fresh allocation, no page faults), one
+(:class:`~sparsync.reducers.memory.BufferedAccumulator`: no fresh allocation, no page faults), one
 read by the exact top-k kernel, one zero fill of the recycled output
 (:meth:`~sparsync.reducers.base.Reducer.zeros_output`); everything else is ``O(P k)``.
 """
@@ -20,7 +20,7 @@ from ..collectives.allgather import allgather
 from ..select.topk import topk_abs
 from ..sparse import SparseVec
 from .base import Reducer
-from .micro import BufferedAccumulator
+from .memory import BufferedAccumulator
 from .registry import register
 
 

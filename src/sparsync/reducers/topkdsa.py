@@ -12,7 +12,7 @@ is delivered exactly). Then
    is not smaller — the union can grow up to ``P*k`` entries per range.
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.micro.BufferedAccumulator`), one read by the exact top-k kernel, one write
+(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k kernel, one write
 of the recycled dense output (:meth:`~sparsync.reducers.base.Reducer.output_buffer`); the owner's sum
 of its range is sparse (:func:`sparsync.sparse.sum_streams`, one sort of the ~``k`` received entries)
 while it is smaller than dense, so no dense scratch of ``n/P`` either.
@@ -31,7 +31,7 @@ from ..select.exact import topk_indices
 from ..spardl.bruck import bruck_rounds
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for, set_at, sum_streams
 from .base import Reducer
-from .micro import BufferedAccumulator
+from .memory import BufferedAccumulator
 from .registry import register
 
 
