@@ -81,16 +81,17 @@ def test_convergence_options_refused_where_they_do_not_apply(tmp_path):
 def test_momentum_correction_takes_the_optimizers_kind_of_momentum(tmp_path):
     """``--optimizer nesterov``: momentum correction is Nesterov's unless told otherwise; the
     optimizer itself becomes plain SGD either way (the momentum lives in the policy)."""
-    from sparsync.train.loop import _make_optimizer, policy_options
+    from sparsync.train.loop import policy_options
+    from sparsync.train.optim import make_optimizer
 
     cfg = _cfg(tmp_path, "x", 2, "loopback", optimizer="nesterov")
     assert policy_options(cfg) == {**ALL_ON, "nesterov": True}
-    assert _make_optimizer(cfg, torch.nn.Linear(2, 2)).defaults["momentum"] == 0
+    assert make_optimizer(cfg, torch.nn.Linear(2, 2).parameters()).defaults["momentum"] == 0
     cfg = _cfg(tmp_path, "x", 2, "loopback", optimizer="nesterov", convergence={**ALL_ON, "nesterov": False})
     assert policy_options(cfg)["nesterov"] is False
     assert "nesterov" not in policy_options(_cfg(tmp_path, "x", 2, "loopback", optimizer="momentum"))
     dense = _cfg(tmp_path, "x", 2, "loopback", optimizer="nesterov", reducer="dense", convergence={})
-    opt = _make_optimizer(dense, torch.nn.Linear(2, 2))
+    opt = make_optimizer(dense, torch.nn.Linear(2, 2).parameters())
     assert opt.defaults["nesterov"] and opt.defaults["momentum"] == 0.9
 
 

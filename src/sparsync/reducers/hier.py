@@ -136,7 +136,8 @@ class HierReducer(Reducer):
         self._site = self.comm.split(self.layout)
         self._cross = self.comm.split([[site[j] for site in self.layout] for j in range(s)])
         self._m = -(-n // s)
-        self._outer = make_reducer(self.outer_name, self._cross, self.density, nonfinite="ignore",
+        # the outer reducer checks what it accumulates (shard + its residual) under this reducer's policy
+        self._outer = make_reducer(self.outer_name, self._cross, self.density, nonfinite=self.nonfinite,
                                    **self.outer_options)
         if self._stash is not None:
             self._outer.load_state_dict(self._stash)
@@ -160,7 +161,13 @@ class HierReducer(Reducer):
         with self.timed("comm"):
             with site.phase("intra:reduce-scatter"):
                 shard = self._reduce_scatter(x, m)
-        y = self._outer.reduce(shard)
+        try:
+            y = self._outer.reduce(shard)
+        except FloatingPointError as e:  # named as this reducer's, with this rank's number
+            where = f"rank {self._cross.rank}: {self._outer.name}.reduce"
+            msg = str(e)
+            raise FloatingPointError(f"rank {self.comm.rank}: {self.name}.reduce" + msg[len(where):]
+                                     if msg.startswith(where) else msg) from None
         out = self.output_buffer(s * m, y.dtype, y.device)
         with self.timed("comm"):
             with site.phase("intra:all-gather"):
