@@ -5,7 +5,7 @@ with a dense outer reducer and bitwise identical on every rank for two layouts, 
 import torch
 from torch import nn
 
-from test_engine_ddp import _batch
+from test_engine_ddp import _sgd_steps
 from test_engine_ddp import _flat_params as _params
 
 import sparsync as ss
@@ -17,13 +17,8 @@ def _model():
     return nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 4))  # _batch's 12 inputs, 4 outputs
 
 
-def _train(fwd, params, rank, steps=4):
-    opt = torch.optim.SGD(params, lr=0.1)
-    for step in range(steps):
-        x, y = _batch(rank, step)
-        opt.zero_grad()
-        nn.functional.mse_loss(fwd(x), y).backward()
-        opt.step()
+def _train(net, params, rank, steps=4):
+    _sgd_steps(net, torch.optim.SGD(params, lr=0.1), rank, steps)
 
 
 def _suite(comm):

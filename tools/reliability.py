@@ -301,18 +301,23 @@ def _prune():
 
 
 # ---------------------------------------------------------------------- processes
+def _wait_for_lines(metrics: Path, p: subprocess.Popen, lines: int, limit: float = 240) -> None:
+    """Until the run's ``metrics.jsonl`` has ``lines`` lines (the run is training), ``p`` ended, or ``limit`` s."""
+    end = time.monotonic() + limit
+    while time.monotonic() < end and p.poll() is None:
+        with contextlib.suppress(OSError):
+            if len(metrics.read_text().splitlines()) >= lines:
+                return
+        time.sleep(0.02)
+
+
 def _launch_and_kill(name, victim, sig=signal.SIGKILL, extra=()):
     metrics = Path(_TMP) / name / "metrics.jsonl"
     cmd = [sys.executable, "-m", "sparsync.cli", "train", "--workload", "digits-mlp", "--workload-option",
            "width=16", "--reducer", "micro", "--workers", "2", "--steps", "100000", "--eval-every", "100000",
            "--runs-dir", _TMP, "--name", name, "--no-progress", *extra]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    end = time.monotonic() + 240
-    while time.monotonic() < end and p.poll() is None:
-        with contextlib.suppress(OSError):
-            if len(metrics.read_text().splitlines()) >= 2:
-                break
-        time.sleep(0.02)
+    _wait_for_lines(metrics, p, 2)
     ranks = rank_pids(p.pid)
     below = descendants(p.pid)
     os.kill(p.pid if victim == "launcher" else ranks[victim], sig)
@@ -674,12 +679,7 @@ def _kill_agent():
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     p = subprocess.Popen(_torchrun("--steps", "100000", "--eval-every", "100000", name="agent"), env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    end = time.monotonic() + 240
-    while time.monotonic() < end and p.poll() is None:
-        with contextlib.suppress(OSError):
-            if len(metrics.read_text().splitlines()) >= 4:
-                break
-        time.sleep(0.05)
+    _wait_for_lines(metrics, p, 4)
     workers = [q for q in descendants(p.pid) if _env_has(q, b"RANK=")]
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
