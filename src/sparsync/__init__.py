@@ -1,6 +1,6 @@
 """sparsync: sparse gradient communication for data-parallel PyTorch on bandwidth-limited networks.
 
-Public contract (``DESIGN.md``)::
+Public contract::
 
     ss.SparseVec, ss.run_local, ss.sparse_allreduce, ss.make_reducer
 

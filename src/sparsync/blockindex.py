@@ -11,14 +11,14 @@ block of each index from the counts (``repeat_interleave``: indices are sorted, 
 entries are consecutive) and adds the low 16 bits back. ``2 * (2 nb + c)`` bytes instead of
 ``4 c``: it pays once ``c > 2 nb`` - at n = 4.35M over P = 4 ranks (nb = 17), from 35 indices on.
 
-Why: MiCRO's index all-gather is a third to a half of its bytes (issue 10 §4: "indices in the
-smallest type that fits, or delta-encoded if that measurably pays"). A fixed-width delta cannot be
+Why: MiCRO's index all-gather is a third to a half of its bytes, so indices travel in the smallest
+type that fits. A fixed-width delta cannot be
 narrower than the largest gap; offsets within 65536-entry blocks have no such bound, need no
 escape codes, and keep the message size known from the count alone, so the padded all-gather
 (sizes known from the calibration) still needs no size exchange. Encoding is a ``searchsorted`` of
 the block edges and three element-wise ops over the ``c`` indices, decoding a ``repeat_interleave``
-and an add - no pass over ``n``, but ~0.4 ms more CPU than int32 indices per call at 25k indices
-per rank and P = 4 (measured), which is why micro uses it only with half-precision values.
+and an add - no pass over ``n``, but more CPU per call than plain int32 indices, which is why micro
+uses it only with half-precision values (where the bytes saved are the larger share).
 """
 
 from __future__ import annotations

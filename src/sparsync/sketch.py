@@ -1,6 +1,7 @@
 """Count sketch with shared seeded hashes, block bitmap and median query (S2 Reducer's "sparse-sketch").
 
-``spec/s2reducer.md`` §3-§4. A count sketch ``S`` is an ``r x c`` table; element ``i`` of a vector
+Ge et al., "S2 Reducer: High-Performance Sparse Communication to Accelerate Distributed Deep
+Learning" (2021), §3. A count sketch ``S`` is an ``r x c`` table; element ``i`` of a vector
 ``g`` adds ``s_j(i) * g[i]`` to cell ``S[j, h_j(i)]`` of every row ``j``. The sketch is **linear**
 (``sketch(g1) + sketch(g2) == sketch(g1 + g2)`` in exact arithmetic), so summing the tables of all
 ranks with one dense all-reduce gives the sketch of the summed gradient, *provided every rank uses
@@ -128,8 +129,8 @@ class CountSketch:
     def from_tables(cls, buckets: torch.Tensor, signs: torch.Tensor, columns: int) -> "CountSketch":
         """A sketch with given hash tables ``buckets[j, i] = h_j(i)`` and ``signs[j, i] = s_j(i)``.
 
-        For injecting known hash functions (``spec/worked-examples.md`` §7 checks every cell and median
-        of a hand-computed sketch); indices ``>= buckets.shape[1]`` raise ``IndexError``.
+        For injecting known hash functions (a test checks every cell and median of a
+        hand-computed sketch with them); indices ``>= buckets.shape[1]`` raise ``IndexError``.
         """
         buckets, signs = torch.as_tensor(buckets), torch.as_tensor(signs)
         if buckets.dim() != 2 or signs.shape != buckets.shape:

@@ -1,10 +1,10 @@
-"""SparseVec and the sparse/dense stream format (SparCML ``spec/sparcml.md`` §4-5).
+"""SparseVec and the sparse/dense stream format (SparCML: Renggli et al., SC'19).
 
 A gradient slice travels either as *sparse* (sorted unique indices + values) or as *dense* (all
 ``numel`` values). SparCML's stream switches to dense as soon as the sparse form would not be
 smaller on the wire; every operation that can grow a vector (summation) applies the same rule.
 
-The switch rule (SparCML §4, "implementation choice: follow the code, ``>=`` on bytes")::
+The switch rule (SparCML's stream format; ``>=`` on bytes, as the authors' code does)::
 
     go dense  iff  nnz * (index_bytes + value_bytes) >= numel * value_bytes
 
@@ -46,8 +46,7 @@ def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torc
     """``out[index[j]] += values[j]`` for every ``j`` of the 1-D ``index``, in order (a repeated
     index accumulates in input order): ``out.index_add_(0, index, values)`` bit for bit, by
     ``scatter_add_``, which on one CPU thread has no per-call overhead of the size of ``out``
-    (4 scatters of 1e5 entries into a cold 1e7-element buffer: 8.1 ms against 12.8 ms with
-    ``index_add_``; docs/benchmarks.md, issue 11). ``out`` is 1-D (a view of a flat buffer);
+    (``index_add_`` has one). ``out`` is 1-D (a view of a flat buffer);
     ``values`` has ``out``'s dtype. Returns ``out``.
 
     On CUDA ``scatter_add_`` (and ``index_add_``) add a repeated index with atomics, in whatever

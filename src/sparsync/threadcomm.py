@@ -2,7 +2,7 @@
 
 For fast exhaustive tests (any world size up to ``MAX_THREAD_RANKS`` = 256) and for *executed simulation*: the same
 algorithm code runs, and each rank's virtual clock advances by ``alpha + beta*bytes`` per message
-it sends; a receive waits until the message's arrival time (``spec/README.md`` §2 cost model).
+it sends; a receive waits until the message's arrival time (the alpha-beta cost model).
 Collectives advance every rank to ``max(clock) + rounds*alpha + beta*bytes_received`` of the ring
 model recorded in the ledger (see :mod:`sparsync.comm`).
 

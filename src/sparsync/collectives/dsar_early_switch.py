@@ -1,6 +1,6 @@
-"""Early-switching DSAR: sparse inside groups, dense across groups, dense all-gather (§3.4).
+"""Early-switching DSAR: sparse inside groups, dense across groups, dense all-gather (SparCML thesis §3.3.4).
 
-Our reading of the thesis (``spec/sparcml.md`` §3.4, implementation choice), on the ``P'`` survivors
+Our reading of the thesis (it leaves the group phases open), on the ``P'`` survivors
 of the fold, with group size ``G`` (option ``group_size``, default 8, a power of two; capped at
 ``P'``), ``Q = P'/G`` groups, group ``g = vrank // G``, position ``p = vrank mod G``::
 

@@ -1,4 +1,4 @@
-"""DSAR_Split_AllGather: sparse split-and-sum, then the owned part dense, dense all-gather (§3.3).
+"""DSAR_Split_AllGather: sparse split-and-sum, then the owned part dense, dense all-gather (SparCML thesis §3.3.4).
 
 Same split phase as :mod:`.ssar_split_allgather` (direct sparse sends, overlapped summation); the
 owned part (``N/P'`` values) is then made dense and a dense all-gather finishes. For the dynamic

@@ -1,4 +1,9 @@
-"""Shared pieces of the SparCML sparse all-reduce family (``spec/sparcml.md`` §3-5).
+"""Shared pieces of the SparCML sparse all-reduce family.
+
+SparCML: Renggli, Ashkboos, Aghagolzadeh, Alistarh, Hoefler, "SparCML: High-Performance Sparse
+Communication for Machine Learning" (SC'19); its long form is Renggli's thesis "Efficient Sparse
+AllReduce for Scalable Machine Learning" (ETH Zurich, 2017), whose sections the ``§`` numbers in
+:mod:`sparsync.collectives` cite.
 
 * **Streams**: a payload (:class:`~sparsync.sparse.SparseVec` or dense 1-D tensor) travels encoded
   by :func:`sparsync.sparse.encode` (8-byte item count, int32 indices, values; dense when the sparse
@@ -6,15 +11,15 @@
   dimension ``d``; every cost formula of the family is written in these **bytes** (payload bytes as
   the ledger records them; the comm layer's own 8-byte size headers are recorded separately as
   ``header_bytes`` and are *not* part of the formulas).
-* **Fold/unfold** for a world size that is not a power of two (§3.5, MPICH style): with
+* **Fold/unfold** for a world size that is not a power of two (MPICH style; the thesis assumes a power of two): with
   ``P' = 2^floor(log2 P)`` and ``e = P - P'``, ranks ``< 2e`` pair up, the odd one sends its stream to
   the even one (one round), which sums; the ``P'`` survivors run the algorithm under a *virtual rank*
   (``r/2`` for the even ranks ``< 2e``, ``r - e`` for the rest); afterwards each even rank ``< 2e``
   sends the result back to its odd partner (one round).
-* **Index-range split** (§3.2): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
+* **Index-range split** (§3.3.3): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
   remainder; ``split_stream`` cuts a payload into those parts, re-based to the part (dimension = part
   size), in one vectorised ``searchsorted``.
-* **Case-2 concatenation** (§5): adjacent subspaces, lower first; both sparse -> sparse (switched to
+* **Case-2 concatenation** (§4.1.3): adjacent subspaces, lower first; both sparse -> sparse (switched to
   dense if the combined sparse form is not smaller), anything dense -> dense.
 * **Canonical summation**: all summations of more than two operands happen on exactly one rank (the
   owner of a part) in a fixed order, and two-operand sums are commutative bitwise, so every rank
@@ -63,7 +68,7 @@ def pow2_floor(P: int) -> int:
 
 
 def as_stream(sv: SparseVec):
-    """The input stream: dense directly when ``k`` items would not be smaller than dense (§4)."""
+    """The input stream: dense directly when ``k`` items would not be smaller than dense (§4.1.2)."""
     if sparse_is_smaller(sv.nnz, sv.numel, sv.dtype):
         return sv
     return sv.to_dense()
@@ -156,7 +161,7 @@ def unfold(comm, f: Fold, result, numel: int, dtype):
 
 
 def run_folded(sv: SparseVec, comm, body):
-    """``body(x, f) -> payload`` on the power-of-two survivors, wrapped in fold/unfold (§3.5).
+    """``body(x, f) -> payload`` on the power-of-two survivors, wrapped in fold/unfold.
 
     ``x`` is ``sv`` as a stream (dense if that is smaller); one rank returns it unchanged.
     """
@@ -208,7 +213,7 @@ def split_stream(x, bounds: list[int]) -> list:
 
 
 def concat(lower, upper):
-    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (§5, cases 2a-2d)."""
+    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (§4.1.3, cases 2a-2d)."""
     d1, d2 = numel_of(lower), numel_of(upper)
     if (isinstance(lower, SparseVec) and isinstance(upper, SparseVec)
             and sparse_is_smaller(lower.nnz + upper.nnz, d1 + d2, lower.dtype)):
@@ -223,7 +228,7 @@ def densify(x) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- the two phases
 def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtype, while_waiting=None):
-    """Split phase (§3.2/§6): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
+    """Split phase (§3.3.3/§4.1.4): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
 
     Counts first (the comm's size headers, recorded as header traffic), then all payloads posted
     at once (non-blocking); arrivals are decoded in a fixed order (``me-1, me-2, ...``) while the
@@ -336,7 +341,7 @@ def write_block(out: torch.Tensor, x, offset: int) -> None:
 
 # ---------------------------------------------------------------------- cost model helpers
 def expected_union(k: float, N: float, P: int) -> float:
-    """``f(k, N, P) = N (1 - (1 - k/N)^P)``: expected union of ``P`` uniform ``k``-subsets (§2)."""
+    """``f(k, N, P) = N (1 - (1 - k/N)^P)``: expected union of ``P`` uniform ``k``-subsets (§3.2)."""
     if N <= 0:
         return 0.0
     return N * (1.0 - (1.0 - min(1.0, k / N)) ** P)
@@ -345,7 +350,7 @@ def expected_union(k: float, N: float, P: int) -> float:
 def cost_setup(P: int, n: int, value_bytes: int, index_bytes: int | None):
     """Common start of the SparCML cost formulas: ``(P', log2 P', fold rounds, CostSim)``.
 
-    ``P'`` is the power of two the algorithm runs on (§3.5 fold/unfold adds 2 rounds when ``P' != P``).
+    ``P'`` is the power of two the algorithm runs on (the fold/unfold adds 2 rounds when ``P' != P``).
     """
     if index_bytes is None:
         index_bytes = index_bytes_for(n)
@@ -369,7 +374,7 @@ def union_model(pattern: str, k_part: float, dim: int):
 class CostSim:
     """Stream sizes in the cost formulas, including the dense switch of the wire format.
 
-    A stream is modelled as ``(items, dense)``; ``add`` applies the upper-bound rule of §5 case 1a
+    A stream is modelled as ``(items, dense)``; ``add`` applies the upper-bound rule of §4.1.3 case 1a
     (dense iff ``(m1 + m2)(c + isize) >= d*isize``), ``union`` is the resulting item count when it
     stays sparse. It also counts the local work on this rank's critical path: ``sparse_items``
     (items through a sparse merge, a sort-based union) and ``dense_elems`` (elements written by a

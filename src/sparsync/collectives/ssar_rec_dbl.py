@@ -1,6 +1,6 @@
-"""SSAR_Rec_Dbl: recursive doubling with a sparse summation at every stage (``spec/sparcml.md`` §3.1).
+"""SSAR_Rec_Dbl: recursive doubling with a sparse summation at every stage (SparCML thesis §3.3.3).
 
-Algorithm (after the fold of §3.5 when ``P`` is not a power of two)::
+Algorithm (after the fold of :mod:`.sparcml_common` when ``P`` is not a power of two)::
 
     v = local stream (dense directly if k items are not smaller than dense)
     for t in 0 .. log2(P')-1:
@@ -22,7 +22,7 @@ Cost per rank, ``P`` a power of two, every rank contributing ``k`` items, in **b
       disjoint  (K = kP):  m_t = 2^t k             ->  8 log2 P + (P-1) k (c+isize)  (thesis: (P-1) k)
       random: between the two; expected  sum_t s(f(k, N, 2^t), N)   with f(k,N,P) = N(1-(1-k/N)^P)
 
-with the dense switch applied as the code does (upper bound ``m_a + m_b`` decides, §5 1a).
+with the dense switch applied as the code does (upper bound ``m_a + m_b`` decides, §4.1.3 case 1a).
 Non-power-of-two ``P``: the formula of ``P' = 2^floor(log2 P)`` plus 2 rounds (fold, unfold) on the
 paired ranks.
 """

@@ -1,6 +1,6 @@
-"""SSAR_Split_AllGather: split into P index ranges, direct sparse sends, sparse all-gather (§3.2).
+"""SSAR_Split_AllGather: split into P index ranges, direct sparse sends, sparse all-gather (SparCML thesis §3.3.3).
 
-Algorithm on the ``P'`` survivors of the fold (``spec/sparcml.md`` §3.2, §3.5, §6)::
+Algorithm on the ``P'`` survivors of the fold (§3.3.3; overlap as in §4.1.4)::
 
     parts j = [j*w, (j+1)*w), w = floor(N/P'), last part takes the remainder
     split the local stream into P' re-based sub-streams; post all P'-1 sends at once
@@ -22,7 +22,7 @@ spread evenly over the parts (``k/P`` per part, the analysis assumption), in **b
       disjoint  (K = kP):  u = k    -> ~ P k - k/P items      (thesis: P k upper bound)
       random: between the two; expected u = f(k/P, N/P, P)
 
-with the dense switch of the code (upper-bound rule while summing, §5 1a; concatenation 2a-2d).
+with the dense switch of the code (upper-bound rule while summing, §4.1.3 case 1a; concatenation 2a-2d).
 """
 
 from __future__ import annotations

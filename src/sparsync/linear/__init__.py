@@ -1,4 +1,4 @@
-"""Linear models on naturally sparse data: SparCML's MPI-SGD (``spec/sparcml.md`` §8).
+"""Linear models on naturally sparse data: SparCML's MPI-SGD (Renggli's thesis §2.2.3, §4.2).
 
 * :mod:`.data` — :class:`SparseDataset` (CSR rows, labels in {-1, +1}), the svmlight/libsvm loader
   :func:`load_svmlight` and the synthetic power-law generator :func:`make_synthetic`.

@@ -1,4 +1,4 @@
-"""Logistic regression, linear SVM and linear regression on CSR batches (``spec/sparcml.md`` §8).
+"""Logistic regression, linear SVM and linear regression on CSR batches (SparCML thesis §2.2, §4.2.1).
 
 The thesis' MPI-SGD lists the three linear models. Classification labels are in {-1, +1}; linear
 regression takes any real targets (svmlight files loaded with ``regression=True``) and on {-1, +1}

@@ -1,5 +1,5 @@
 """MPI-SGD through the asynchronous parameter server with bounded staleness (``train-linear
---algorithm ps-async``; thesis §4.2.2, ``spec/sparcml.md`` §8; protocol in :mod:`sparsync.ps.async_ps`).
+--algorithm ps-async``; SparCML thesis §4.2.2; protocol in :mod:`sparsync.ps.async_ps`).
 
 Ranks ``0..S-1`` serve the model shards; the ``W = P - S`` workers walk the same global batches as the
 synchronous trainer (:mod:`.batching`): worker ``q`` takes the slice

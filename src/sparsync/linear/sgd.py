@@ -1,4 +1,4 @@
-"""Data-parallel mini-batch SGD for sparse linear models (SparCML's MPI-SGD, ``spec/sparcml.md`` §8).
+"""Data-parallel mini-batch SGD for sparse linear models (SparCML's MPI-SGD, thesis §4.2).
 
 Thesis Algorithm 1 with a fixed *global* batch: every epoch all ranks draw the same permutation
 (seeded by ``seed`` and the epoch), cut it into global batches of ``global_batch`` samples, and rank

@@ -1,4 +1,4 @@
-"""Parameter-server baselines of the SparCML thesis' comparison (thesis §2.1, §4.2.2; ``spec/sparcml.md`` §8-9).
+"""Parameter-server baselines of the SparCML thesis' comparison (Renggli 2017, §2.1, §4.2.2).
 
 * :mod:`.sync` — synchronous sharded PS as a sparse all-reduce (:func:`ps_allreduce`; reducer ``ps``,
   ``train-linear --algorithm ps``): every rank is a worker, ranks ``0..S-1`` also sum a shard.

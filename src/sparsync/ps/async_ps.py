@@ -2,7 +2,7 @@
 
 The SparCML thesis' MPI-SGD compares its sparse all-reduce with a synchronous and an *asynchronous*
 parameter server (thesis §4.2.2 "Aggregation Strategies"; §2.1: "when dealing with asynchronous
-data-parallel SGD ... one can only rely on the parameter-server paradigm"; ``spec/sparcml.md`` §8-9).
+data-parallel SGD ... one can only rely on the parameter-server paradigm").
 The thesis does not bound the staleness; we add the Stale Synchronous Parallel bound ``s`` (Ho et al.
 2013) so that ``s = 0`` is the synchronous server and ``s > 0`` lets workers run ahead.
 

@@ -2,7 +2,7 @@
 without any communication (so every interleaving of pushes and pulls can be tested directly).
 
 Model: the Stale Synchronous Parallel rule (Ho et al., NIPS 2013) applied to the SparCML thesis'
-"ParameterServer asynchronous" strategy (thesis §2.1 and §4.2.2, ``spec/sparcml.md`` §8-9). Workers
+"ParameterServer asynchronous" strategy (Renggli's SparCML thesis, §2.1 and §4.2.2). Workers
 ``0..W-1`` each push one sparse gradient per step ``t = 0, 1, ...`` (their *clock* is the number of
 pushes so far). The server keeps the model shard ``w`` and its **version** ``v`` = the number of steps
 applied. Step ``t`` is applied once every worker still running at ``t`` pushed it:

@@ -1,4 +1,4 @@
-"""Parameter-server baseline (the SparCML thesis compares against one, ``spec/sparcml.md`` §9):
+"""Parameter-server baseline (the SparCML thesis compares against one, §4.2.2, §5):
 a synchronous sharded parameter server on the Comm's point-to-point messages.
 
 ``servers`` ranks (``0 .. servers-1``) each own a contiguous shard of the index space

@@ -1,11 +1,11 @@
-"""SparCML's selection kernels: bucketed top-k and approximate top-k "in expectation" (§7.2-7.3).
+"""SparCML's selection kernels: bucketed top-k and approximate top-k "in expectation" (thesis §2.4.1, §4.3).
 
 All return ``(indices, values)`` with indices sorted ascending (int64) and ``values = x[indices]``;
 all are vectorised torch ops, device agnostic. Randomised kernels take a ``torch.Generator`` (or a
 ``seed``); ranks that must make the same choice use the same seed, ranks that select independently
 (the ``sparcml`` reducer) use different ones.
 
-* :func:`bucketed_sample` — the thesis' bucketed kernel (``spec/sparcml.md`` §7.3): inside every
+* :func:`bucketed_sample` — the thesis' bucketed kernel (§4.3): inside every
   bucket of ``bucket_size`` (512 in the CNTK integration) elements, keep each entry independently
   with the L1/L-inf probabilities below computed *per bucket* for ``kb`` expected selections, then
   pad (zero-valued pairs) or truncate (the first ``kb`` in index order, as the GPU kernel's prefix-sum
@@ -14,7 +14,7 @@ all are vectorised torch ops, device agnostic. Randomised kernels take a ``torch
 * :func:`bucketed_topk` — exact top-``kb`` inside every bucket: one ``topk`` on the same view, so each
   bucket has a fixed slot of ``kb`` entries (the ragged last bucket gets ``min(kb, its length)``).
   Deterministic and keeps each bucket's largest entries (our earlier kernel, kept as an option).
-* :func:`approx_topk_probs` — probabilities of Theorem 2.1 (``spec/sparcml.md`` §7.2)::
+* :func:`approx_topk_probs` — probabilities of Theorem 2.1 (§2.4.1)::
 
       p_i = k |v_i| / ||v||_1                         if ||v||_inf <= ||v||_1 / k
       p_i = k (|v_i| + eps) / (||v||_1 + N eps)       otherwise, eps = (k ||v||_inf - ||v||_1)/(N - k)

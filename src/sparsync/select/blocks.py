@@ -1,4 +1,4 @@
-"""Block-wise top-K by block L2 norm (S2 Reducer's sparsifier for dense models, ``spec/s2reducer.md`` §2).
+"""Block-wise top-K by block L2 norm (S2 Reducer's sparsifier for dense models: Ge et al. 2021, §2).
 
 The flat gradient of length ``n`` is viewed as ``b = ceil(n / block_size)`` blocks of
 ``block_size`` consecutive elements. Each block's L2 norm is computed and the ``K`` blocks with the
@@ -10,7 +10,7 @@ does not change its L2 norm, so the tail competes fairly; the padding is never t
 gradient, never stored, and is dropped from every index list (:func:`block_elements`). No copy of
 the gradient is made: the full blocks are a view, the tail's norm is computed separately.
 
-``K`` from a density: ``K = min(b, max(1, round(density * b)))`` (the document's "1/32 compression
+``K`` from a density: ``K = min(b, max(1, round(density * b)))`` (the paper's "1/32 compression
 rate" is ``density = 1/32``). Ties between equal norms go to the lower block id
 (:func:`sparsync.select.exact.topk_indices`), the same on every rank and device.
 

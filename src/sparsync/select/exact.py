@@ -9,8 +9,8 @@ ranked by ``|x|`` descending and, among equal magnitudes, by index ascending - *
 win*. ``NaN`` ranks below every number (below ``0``): it is chosen only when a row has fewer than
 ``k`` non-NaN entries, and then in index order. ``+-inf`` rank above every finite value.
 
-Why: on a CPU ``torch.topk`` over ``n = 1e7`` entries costs as much as a dense all-reduce at
-1 Gbit/s (``DESIGN.md``, "Performance facts"); every method built on exact top-k paid it.
+Why: on a CPU ``torch.topk`` over ``n = 1e7`` entries costs about as much as a dense all-reduce of
+``n`` floats at 1 Gbit/s; every method built on exact top-k pays it.
 
 How (a sample select, then one compaction pass, then an exact select among few candidates)::
 
@@ -61,8 +61,7 @@ _SAMPLE = 65536
 _MIN_SAMPLE = 4096
 #: Weight of the sample-size balance ``s = _BALANCE (k bs)^(1/3)``: minimising ``a s + b E`` with
 #: ``E = 4 sqrt(k bs / s)`` extra candidates gives ``s = (2 b / a)^(2/3) (k bs)^(1/3)``; 4 assumes a
-#: surplus candidate costs ~4x a sampled cache miss (a rough estimate, not fitted; the measured
-#: alternatives are in ``docs/benchmarks.md``, "Exact top-k").
+#: surplus candidate costs ~4x a sampled cache miss (a rough estimate, not fitted).
 _BALANCE = 4.0
 #: Step 1's bracket ``kk = f s + _SIGMAS sqrt(f s) + _SLACK``: four standard deviations of the
 #: binomial sample count, plus a constant so that tiny ``f s`` (a handful of expected hits) still
@@ -93,8 +92,8 @@ def _check_k(k, bs: int) -> int:
 def scratch_buffer(scratch: dict | None, key: str, numel: int, dtype, device) -> torch.Tensor:
     """A reusable 1-D buffer of at least ``numel`` elements from ``scratch`` (a dict the caller keeps).
 
-    Fresh multi-MB tensors are page-faulted in on first touch (at n = 25.6M a fresh ``x.abs()``
-    cost ~45 ms, into a reused buffer ~5 ms, measured here); without ``scratch`` a fresh one.
+    Fresh multi-MB tensors are page-faulted in on first touch, several times the cost of writing
+    into a reused buffer; without ``scratch`` a fresh one.
     """
     if scratch is None:
         return torch.empty(numel, dtype=dtype, device=device)
@@ -316,8 +315,7 @@ def _finish(flat, vals, rows, counts, m: int, k: int) -> torch.Tensor:
     their magnitudes (NaN-free), ``rows`` their row ids in ``[0, m)``, ``counts`` per row (``>= k``).
     """
     # per-candidate lookups by index_select, the padded matrix filled by one scatter: advanced
-    # indexing (offs[rows], cand[rows, pos] = ..., flat[mask]) made this step 1.6x slower (SparDL's
-    # m = 4 rows of 3.2M at 1 %: 5.2 ms before, docs/benchmarks.md "seventh session")
+    # indexing (offs[rows], cand[rows, pos] = ..., flat[mask]) is slower here
     dev = flat.device
     cmax = int(counts.max())
     offs = torch.cumsum(counts, 0) - counts

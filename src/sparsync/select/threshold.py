@@ -1,18 +1,19 @@
 """Threshold selection, MiCRO's partitioned threshold selection, and the threshold controller.
 
 What: the selection kernels behind the ``hard_threshold`` and ``micro`` reducers
-(``spec/micro.md`` §2-§5):
+(MiCRO: Yoon & Oh, "MiCRO: Near-Zero Cost Gradient Sparsification for Scaling and Accelerating
+Distributed DNN Training", 2023, §IV):
 
 * :func:`threshold_indices` - every index with ``|x[i]| >= delta`` (sorted int64).
 * :func:`partition_bounds` / :func:`owned_partition` - MiCRO's coarse-grained contiguous partitions
-  (``spec/micro.md`` §3: the first ``n_g mod P`` parts are one element longer) and the cyclic
+  (the first ``n_g mod P`` parts are one element longer; the paper leaves the remainder open) and the cyclic
   assignment ``part = (t mod P + rank) mod P`` (Algorithm 1 line 7).
 * :func:`partitioned_threshold_select` - threshold selection restricted to one partition, with an
   optional per-partition budget (``cap``) that bounds the message when the threshold is far too low.
 * :class:`ThresholdController` - the threshold-scaling rule (``Estimate`` of Algorithm 1 line 13).
 
-Why: on a CPU an exact ``torch.topk`` over ``n`` entries costs as much as a dense all-reduce at
-1 Gbit/s (``DESIGN.md``, "Performance facts"). A threshold test is a streaming pass. The kernel here
+Why: on a CPU an exact ``torch.topk`` over ``n`` entries costs about as much as a dense all-reduce
+of ``n`` floats at 1 Gbit/s; a threshold test is one streaming pass (MiCRO's "near-zero cost"). The kernel here
 is tuned for that: it never materialises a boolean mask the size of the input (torch's comparison
 into ``bool`` and ``torch.nonzero`` over a byte mask are the slow parts on CPU); instead it works on
 cache-sized chunks (``CHUNK`` elements) of a reusable float workspace::
@@ -22,12 +23,11 @@ cache-sized chunks (``CHUNK`` elements) of a reusable float workspace::
     pairs = nonzero(w viewed as int64)      # one 64-bit word holds two float flags: half the work
     idx   = 2*pairs + nonzero(w.view(-1, 2)[pairs])[:, 1]
 
-Measured on this project's 2-core CPU (``sparsync bench-select``, ``docs/benchmarks.md`` micro
-section): 2.5e6 entries at 1% in ~2 ms vs ~2.9 ms for ``nonzero(x.abs() >= delta)``; 1e7 entries in
-~8 ms vs ~18 ms. Results are identical to the naive form (tested).
+Results are identical to the naive ``nonzero(x.abs() >= delta)`` (tested); ``sparsync bench-select
+--parts selection`` times the two side by side.
 
 For contiguous fp32 on the CPU the same indices come from a C loop instead
-(:mod:`sparsync.native`, when it builds: ~4-6x faster again); this torch kernel serves every other
+(:mod:`sparsync.native`, when it builds); this torch kernel serves every other
 case and machines without a C compiler.
 
 NaN entries never pass the threshold (``NaN >= delta`` is false) - they stay in the residual.
@@ -76,7 +76,7 @@ def check_threshold(delta, what: str = "threshold") -> float:
 
 
 def initial_threshold(k: int) -> float:
-    """``delta_0 = 1 / (2 sqrt(k))`` (``spec/micro.md`` §5, the reference snapshot's initial value)."""
+    """``delta_0 = 1 / (2 sqrt(k))``: the initial value of the MiCRO authors' published code (the paper gives none)."""
     k = int(k)
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -117,7 +117,7 @@ def threshold_indices(x: torch.Tensor, delta: float, *, chunk: int = CHUNK,
     n = x.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=x.device)
-    if native.usable(x):  # the C compaction: same indices, ~4-6x faster (sparsync.native)
+    if native.usable(x):  # the C compaction: same indices, one pass (sparsync.native)
         return native.compact_abs_ge(x, delta, offset)
     if x.device.type != "cpu" or x.element_size() != 4:
         return torch.nonzero(x.abs() >= delta).squeeze(1) + offset
@@ -154,7 +154,7 @@ def threshold_select(x: torch.Tensor, delta: float, **kw) -> tuple[torch.Tensor,
 
 # ---------------------------------------------------------------------- MiCRO partitions
 def partition_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
-    """``[start, end)`` of each of ``parts`` contiguous partitions (``spec/micro.md`` §3).
+    """``[start, end)`` of each of ``parts`` contiguous partitions (MiCRO §IV).
 
     ``q, rem = divmod(numel, parts)``; partition ``p`` has ``q + 1`` elements if ``p < rem`` else ``q``.
     """
@@ -233,7 +233,7 @@ def local_histogram(absvals: torch.Tensor, edges: torch.Tensor) -> tuple[torch.T
     ``sum(hist[j + 1:])`` is the number of values ``>= edges[j]``. The edges are log-spaced
     (:func:`calibration_edges`), so the bucket is computed from ``log(v / edges[0])`` and then
     corrected by one exact comparison with the neighbouring edges (the float rounding of the log is
-    far below one bin) - about 4x faster than ``torch.bucketize`` on CPU, and exactly equal to it
+    far below one bin) - cheaper than ``torch.bucketize``'s binary search, and exactly equal to it
     (tested).
     """
     B = edges.numel() - 1
@@ -270,8 +270,8 @@ def choose_edge(hist: torch.Tensor, target: int) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------- threshold scaling
-#: The ``"micro"`` rule's constants, copied from the authors' reference code (``spec/micro.md`` §5,
-#: not re-derived): the +-10 % band around the target (``0.909 = 1 / 1.1``) and the factors above,
+#: The ``"micro"`` rule's constants, copied from the MiCRO authors' published code (the paper gives no
+#: formula; not re-derived): the +-10 % band around the target (``0.909 = 1 / 1.1``) and the factors above,
 #: inside and below it (at most 0.5 % per step; inside the band a slight upward drift).
 _MICRO_BAND = (0.909, 1.1)
 _MICRO_FACTORS = (1.005, 1.00125, 0.995)
@@ -292,7 +292,7 @@ class ThresholdController:
     that sat within 1% of it - at density 1% that doubles the count). A fixed-gain rule is
     therefore either slow (the authors' 0.5% steps) or oscillates (a proportional rule with a
     useful gain). The default ``"adaptive"`` rule adapts its step size instead (Rprop-style, as
-    SparDL's B-SAG ``h`` adjustment, ``spec/spardl.md``): fast when far from the target, fine once
+    SparDL's B-SAG ``h`` adjustment, Zhao et al. 2023, Algorithm 2): fast when far from the target, fine once
     the count starts to alternate around it.
 
     Rules, with ``rho = count / target``:
@@ -303,7 +303,7 @@ class ThresholdController:
       ``delta *= exp(direction * step)``. Initial step ``log(max_step) / 4``.
     * ``"proportional"``: ``delta *= clip(rho ** gamma, 1/max_step, max_step)`` (``1/max_step``
       when nothing was selected; no change inside the band). Stable only for small ``gamma``.
-    * ``"micro"``: the authors' reference snapshot, for reproduction (``spec/micro.md`` §5)::
+    * ``"micro"``: the MiCRO authors' published code, for reproduction::
 
           factor = 1.005 if rho > 1.1;  1.00125 if 0.909 < rho <= 1.1;  0.995 if rho <= 0.909
 

@@ -1,7 +1,7 @@
 """Collective simulator: alpha-beta predictions for every registered algorithm, and executed
 simulation on the thread cluster's virtual clock that validates them.
 
-* **Predicted** time (``spec/README.md`` §2, cost model ``x*alpha + y*beta``): for every lossless
+* **Predicted** time (the alpha-beta cost model ``x*alpha + y*beta``): for every lossless
   collective with a formula in :data:`sparsync.collectives.COSTS` and every reducer whose
   ``predicted_cost`` is not None, ``T = rounds*alpha + beta*bytes_received`` per rank, where a
   formula may give ``(low, high)`` bounds (data-dependent union sizes); for any P (we plot up to 4096).

@@ -1,4 +1,4 @@
-"""MG-WFBP trace-based schedule simulation (``spec/mgwfbp.md`` §6, the paper's Figures 10-11).
+"""MG-WFBP trace-based schedule simulation (MG-WFBP: Shi, Chu, Li, journal version 2021, §6.4, Figures 10-11).
 
 Inputs: a **profile** of one model — forward time ``t_f``, per-tensor backward times ``t_b`` in
 gradient-ready order and tensor sizes in bytes — measured on this machine by the engine's profiler

@@ -4,9 +4,9 @@ Why these: data-parallel training is communication-bound when the model has many
 unit of compute, so every workload here has a large gradient relative to its forward/backward cost.
 
 * ``digits-mlp``  scikit-learn's bundled handwritten digits (1797 real 8x8 images, 10 classes;
-  ``n_test`` of them held out, 360 by default - ``make run`` holds out 1024, so that one image is
-  less than 0.1 accuracy point), a wide MLP 64-2048-2048-10 (4.35M parameters: communication dominates, ``DESIGN.md``
-  "Performance facts").
+  ``n_test`` of them held out, 360 by default as in ``make run``; ``n_test=1024`` makes one image
+  less than 0.1 accuracy point), a wide MLP 64-2048-2048-10 (4.35M parameters: on a 1 Gbit/s link the
+  dense exchange takes several times a step's compute).
 * ``digits-cnn``  the same data, a small CNN (two conv layers + two linear layers).
 * ``lm``          a word-level language model (previous ``context`` words -> next word) with a
   large embedding (``vocab`` rows, default 30,000) on a real text corpus: the Python standard
