@@ -1,4 +1,4 @@
-"""Sparse-vs-dense summation crossover (SparCML claim 5, ``spec/sparcml.md`` §9): at which density does
+"""Sparse-vs-dense summation crossover (SparCML thesis §5.2.5, Figure 5.6): at which density does
 summing ``P`` sparse streams cost more than densifying them?
 
 Per ``(P, n, density)``: ``P`` streams of ``k = density * n`` random indices (``bench.patterns``

@@ -1,4 +1,4 @@
-"""Engine benchmark: merge plans on an emulated 1 Gbit/s cluster, measured vs predicted (issue 6).
+"""Engine benchmark: merge plans on an emulated 1 Gbit/s cluster, measured vs predicted (MG-WFBP, Shi et al.).
 
 For each reducer (dense and one sparse reducer) the benchmark first runs SparseDDP with
 ``merge="optimal"`` to obtain the backward profile (rank 0's, spec §5.1) and the cost model fitted

@@ -1,7 +1,7 @@
 """Synthetic sparse inputs for collective benchmarks and tests.
 
 Why: sparse all-reduce algorithms behave very differently depending on how much the ranks'
-supports overlap (SparCML ``spec/sparcml.md``: the size of the result is between ``k`` and
+supports overlap (SparCML thesis §3.2: the size of the result is between ``k`` and
 ``P*k``). Three patterns span that range:
 
 - ``"random"``: every rank picks ``k = round(density * numel)`` distinct indices uniformly at
@@ -12,15 +12,15 @@ supports overlap (SparCML ``spec/sparcml.md``: the size of the result is between
   ``[0, numel // P)`` -> supports are pairwise disjoint and the union is exactly ``P*k``
   (worst case). Requires ``P*k <= numel``.
 
-A fourth pattern is the **benchmark workload of issue 11** (``docs/benchmarks.md``), a *gradient*
-rather than a support pattern:
+A fourth pattern is the **reducer benchmark's workload** (``sparsync bench reducers --pattern
+heavy_tail``, ``docs/benchmarks.md``), a *gradient* rather than a support pattern:
 
 - ``"heavy_tail"``: rank ``r``'s ``j``-th gradient is
   ``g_{r,j} = randn(n, seed 1000+17r+j) * exp(1.5 * randn(n, seed 12345)) * 1e-3`` (fp32) - a
   heavy-tailed per-element scale shared by all ranks, so the ranks' top-k sets overlap partly (the
   union of four top-1% sets is ~2.3% of ``n``). Two gradients per rank (``j = 0, 1``) alternate call
   by call (:func:`heavy_tail_grads`). As a sparse input (:func:`make_sparse`, lossless collectives)
-  it is the exact top-k of ``|g_{r,j}|`` (indices precomputed, as the issue's plain reference does);
+  it is the exact top-k of ``|g_{r,j}|`` (indices precomputed, as the plain all-gather reference does);
   ``variant`` picks ``j``. ``seed`` is ignored: the seeds are part of the workload's definition.
 
 ``k`` follows the shared rule ``k = max(1, round(density * numel))`` (``select/topk.py``).

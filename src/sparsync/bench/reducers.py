@@ -249,7 +249,7 @@ def time_collective(comm, algorithm: str, sv, steps: int = 5, warmup: int = 2,
     ledger phase, no input check, so only the algorithm is timed) or a baseline of
     :func:`collective_fn` (``"dense"``: ``comm.allreduce`` of a dense vector of ``sv.numel`` - or
     ``numel`` - elements). ``sv``: a SparseVec, or a list of them used in turn (step ``i`` runs
-    input ``i % len``: issue 11's alternated inputs). With ``check=True`` the last step's record
+    input ``i % len``: the heavy-tailed workload's alternated inputs). With ``check=True`` the last step's record
     carries ``digest`` (hash of the output bytes) and ``out_nnz``.
     """
     svs = sv if isinstance(sv, (list, tuple)) else [sv]
@@ -308,7 +308,7 @@ def summarize(per_rank_results: Sequence[Sequence[dict]]) -> dict:
 # ---------------------------------------------------------------------- driver (``sparsync bench reducers``)
 def bench_grads(pattern: str, rank: int, numel: int, seed: int, steps: int, device="cpu") -> list[torch.Tensor]:
     """The gradients one rank cycles through: ``"normal"`` (3 seeded normal vectors, or fewer when
-    fewer steps run) or ``"heavy_tail"`` (issue 11's workload, two alternated; see
+    fewer steps run) or ``"heavy_tail"`` (two alternated heavy-tailed gradients; see
     :mod:`sparsync.bench.patterns`)."""
     if pattern == "normal":
         return [make_grad(rank, s, numel, seed, device=device) for s in range(min(steps, 3))]
@@ -323,7 +323,7 @@ REDUCER_BASELINES = {"allreduce": "dense", "plain_allgather": "plain_allgather"}
 
 def _baseline_records(comm, baseline, grads, numel, density, steps, warmup):
     """Timed records of a baseline row: ``"allreduce"`` (the bare in-place gloo all-reduce of a dense
-    vector of ``numel``) or ``"plain_allgather"`` (issue 11's hand-written reference on the exact
+    vector of ``numel``) or ``"plain_allgather"`` (the hand-written reference a user writes, on the exact
     top-k of each of this rank's gradients, indices precomputed, inputs used in turn)."""
     from ..select.topk import k_for_density, topk_abs
 
@@ -340,8 +340,8 @@ def _baseline_records(comm, baseline, grads, numel, density, steps, warmup):
     return recs
 
 
-#: reducers with a FIXED threshold the user must tune per setting (``spec/micro.md`` §7: the MiCRO
-#: paper's hard-threshold baseline "requires hyperparameter tuning for each model and dataset"):
+#: reducers with a FIXED threshold the user must tune per setting (the MiCRO paper, Yoon & Oh 2023,
+#: on its hard-threshold baseline: "requires hyperparameter tuning for each model and dataset"):
 #: :func:`_reducer_options` sets it from the workload unless the options give ``threshold``
 FIXED_THRESHOLD = ("hard_threshold",)
 
@@ -361,8 +361,8 @@ def tuned_threshold(comm, g: torch.Tensor, density: float) -> float:
 def _reducer_options(comm, name: str, options: dict, grads, density: float) -> dict:
     """``options`` for reducer ``name``; a fixed-threshold reducer (:data:`FIXED_THRESHOLD`) without a
     ``threshold`` gets :func:`tuned_threshold` of this rank's first gradient, ``threshold="default"``
-    keeps its own default (``1/(2 sqrt k)``, which knows nothing of the gradients' scale: 28 % of
-    issue 11's heavy-tailed workload passes it at a 1 % target)."""
+    keeps its own default (``1/(2 sqrt k)``, which knows nothing of the gradients' scale: on the
+    heavy-tailed workload far more than the target passes it)."""
     opts = dict(options)
     if name in FIXED_THRESHOLD:
         if opts.get("threshold") == "default":
@@ -419,10 +419,10 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
     ranks), bytes, achieved density and ``speedup`` (reference total / total; the reference is the
     ``allreduce`` baseline row when requested, else the ``dense`` reducer).
     ``baselines``: rows timed in the same process group before the reducers
-    (:data:`REDUCER_BASELINES`: ``allreduce`` = the bare gloo all-reduce, ``plain_allgather`` = issue
-    11's plain all-gather reference on the exact top-k of the same gradients). Gradients
+    (:data:`REDUCER_BASELINES`: ``allreduce`` = the bare gloo all-reduce, ``plain_allgather`` = the
+    plain all-gather reference on the exact top-k of the same gradients). Gradients
     (:func:`bench_grads`): ``pattern="normal"`` synthetic normal vectors (3 per rank, cycled: selection
-    sees realistic magnitudes but not a real model's) or ``"heavy_tail"`` (issue 11's workload).
+    sees realistic magnitudes but not a real model's) or ``"heavy_tail"`` (:mod:`sparsync.bench.patterns`).
     ``residuals``: ``"keep"`` (error feedback carried between calls, the steady state) and/or
     ``"reset"`` (residual zeroed before every call). ``options``: reducer name -> its options; a
     fixed-threshold reducer (``hard_threshold``) gets a threshold tuned to the target density on the

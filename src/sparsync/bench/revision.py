@@ -3,10 +3,11 @@
 What: every rank imports the current package and the package of revision ``rev`` side by side,
 builds each reducer twice over the same process group (the old one through the old ``TorchComm``),
 and calls the two alternately with the same gradient (the order swapped every step, a barrier before
-each call, the residual reset before each call as in issue 11's protocol). One row per reducer: the
-median over steps of the max over ranks for the old and the current code, and their ratio.
+each call, the residual reset before each call as ``sparsync bench reducers --residual reset``
+does). One row per reducer: the median over steps of the max over ranks for the old and the
+current code, and their ratio.
 
-Why: a figure measured on another machine - an issue's table of our code and of the authors' code,
+Why: a figure measured on another machine - a table of our code and of the authors' code,
 measured side by side there - cannot be compared with one measured here (machines of one kind
 differ by up to 2x, more under other jobs' load). The revision that produced the other machine's
 figure can be run here, beside the current code: the ratio ``current / old`` of one run carries

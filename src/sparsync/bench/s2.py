@@ -1,9 +1,9 @@
 """S2 Reducer benchmark: ``s2`` vs ``block_allgather`` vs ``blocksparse`` on the emulated cluster,
-and the count sketch's encode/decode cost on this CPU (``docs/benchmarks.md``, section ``s2``).
+and the count sketch's encode/decode cost on this CPU (``docs/benchmarks.md``, "S2 Reducer").
 
 Run: ``python -m sparsync.bench.s2 [--world-sizes 4,8] [--numel 1e7] [--bandwidth 1gbit]``.
 
-Two workloads, the paper's two sources of sparsity (``spec/s2reducer.md`` §2):
+Two workloads, the paper's two sources of sparsity (Ge et al. 2021, §2):
 
 * **dense**: flat gradient of ``numel`` fp32 values, block-wise top-K at density 1/32 (the paper's
   "1/32 compression rate"), blocks of 256. The gradient is *structured*: every block has a scale

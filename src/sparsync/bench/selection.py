@@ -1,4 +1,4 @@
-"""Selection-cost and density-tracking benchmarks for the threshold sparsifiers (issue 5, MiCRO).
+"""Selection-cost and density-tracking benchmarks for the threshold sparsifiers (MiCRO).
 
 What:
 
@@ -16,7 +16,7 @@ What:
   cluster when available).
 
 Why: the MiCRO paper's claims are (1) near-zero selection cost and (2) achieved density close to
-the target while the hard threshold drifts (``spec/micro.md`` §7, claims 2-3). CLI:
+the target while the hard threshold drifts (Yoon & Oh 2023, §V). CLI:
 ``sparsync bench-select`` (:mod:`sparsync.commands.bench_select`).
 """
 
@@ -106,7 +106,7 @@ def time_selection(numel: int, density: float, selectors=SELECTORS, P: int = 4, 
 def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu") -> dict:
     """``torch.topk`` vs the exact kernel (:func:`~sparsync.select.exact.topk_indices`) side by side.
 
-    Input: issue 11's heavy-tailed gradient of rank 0 (:func:`~sparsync.bench.patterns.heavy_tail_grad`).
+    Input: the heavy-tailed benchmark gradient of rank 0 (:func:`~sparsync.bench.patterns.heavy_tail_grad`).
     The kernel is timed twice: with its candidate pass in C (:mod:`sparsync.native`; when it builds
     here) and with the torch pass. All are timed alternately (one call each per repetition, so all
     see the same machine load) after one untimed call each; ``torch.topk`` is timed as a reducer
@@ -244,7 +244,7 @@ def density_trace(comm, reducers=("micro", "hard_threshold"), steps: int = 200, 
     ``threshold="first_kth"`` starts a threshold reducer from :func:`first_kth_threshold`. Returns
     ``{name: {"density": [...], "threshold": [...], "selected": [...], "candidates": [...]}}`` plus
     ``"numel"`` (``candidates``: entries the calibration read, micro's histogram rule; else None). With
-    ``scale_by_lr`` the reducers get ``lr * grad`` (the paper's accumulator ``e + eta G``, ``spec/micro.md`` §4).
+    ``scale_by_lr`` the reducers get ``lr * grad`` (MiCRO's accumulator ``e + eta G``, Algorithm 1).
     """
     from ..reducers import make_reducer
 

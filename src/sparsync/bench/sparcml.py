@@ -1,7 +1,8 @@
 """SparCML benchmark: the sparse all-reduce family vs dense all-reduce and torch's sparse all-reduce.
 
-Grid of issue 3: ``N = 2^24``, densities 0.1% / 1% / 10%, ``P = 2, 4, 8``, patterns random /
-identical / disjoint (:func:`sparsync.bench.patterns.make_sparse`), on the emulated 1 Gbit/s cluster
+Grid (after the thesis' micro benchmarks, §5.2): ``N = 2^24``, densities 0.1% / 1% / 10%,
+``P = 2, 4, 8``, patterns random / identical / disjoint (:func:`sparsync.bench.patterns.make_sparse`),
+on the emulated 1 Gbit/s cluster
 (:class:`sparsync.cluster.EmulatedCluster`, one network namespace per rank, tbf on every link).
 Timing follows :mod:`sparsync.bench.allreduce` (all algorithms of one configuration interleaved in
 one process group, barrier before every call, time = max over ranks, median over repeats, the

@@ -4,7 +4,7 @@ Two entry points (``python -m sparsync.bench.spardl ledger|cluster``):
 
 * ``ledger``: thread backend, one step of every SparDL variant and sparse baseline per world size
   ``P = 4..16``; prints the measured rounds and received volume per rank (max over ranks, in 4-byte
-  index/value units, i.e. bytes / 4) next to the paper's Table I formula (``spec/spardl.md`` §9-10).
+  index/value units, i.e. bytes / 4) next to the paper's Table I formula (Zhao et al. 2023, §III-D).
 * ``cluster``: gloo ranks on the emulated 1 Gbit/s cluster (:mod:`sparsync.cluster`), time per reduce
   split into selection and communication for dense, topka, topkdsa, gtopk (powers of two), oktopk,
   spardl d=1 and every admissible R-SAG / B-SAG ``d`` (the table keeps the best of each), using

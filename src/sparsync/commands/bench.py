@@ -239,8 +239,8 @@ def register(subparsers) -> None:
     a.add_argument("--numel", type=COUNTS, default="1e7", help="comma list of vector lengths")
     a.add_argument("--densities", type=DENSITIES, default="0.01,0.001", help="comma list of densities")
     a.add_argument("--patterns", type=NAMES, default="random",
-                   help="comma list of random, identical, disjoint, heavy_tail (issue 11's workload: top-k of "
-                        "two alternated heavy-tailed gradients)")
+                   help="comma list of random, identical, disjoint, heavy_tail (the reducer benchmark's workload: "
+                        "top-k of two alternated heavy-tailed gradients)")
     a.add_argument("--algorithms", default="dense,plain_allgather,allgather,torch_sparse",
                    help="comma list; 'all' = the baselines (dense, dense_reducer, plain_allgather[_reuse|_int64]) + "
                         "every registered algorithm "
@@ -263,8 +263,8 @@ def register(subparsers) -> None:
     r.add_argument("--steps", type=int, default=5, help="timed steps (default 5)")
     r.add_argument("--warmup", type=int, default=2, help="untimed steps (default 2)")
     r.add_argument("--pattern", default="normal",
-                   help="gradients: 'normal' (3 seeded normal vectors, cycled) or 'heavy_tail' (issue 11's "
-                        "workload: two heavy-tailed gradients per rank, alternated)")
+                   help="gradients: 'normal' (3 seeded normal vectors, cycled) or 'heavy_tail' "
+                        "(two heavy-tailed gradients per rank, alternated; sparsync.bench.patterns)")
     r.add_argument("--residual", type=NAMES, default="keep",
                    help="comma list of 'keep' (residual carried between calls, steady state) and 'reset' "
                         "(residual zeroed before every call); one table block per mode (default keep)")

@@ -3,7 +3,7 @@ sparsifiers (MiCRO, hard threshold, CLT-k, TopkA) - the micro section of ``docs/
 
 Parts (``--parts``, default the first three):
 
-* ``exact`` - the exact top-k kernel against ``torch.topk`` on issue 11's heavy-tailed gradient,
+* ``exact`` - the exact top-k kernel against ``torch.topk`` on the heavy-tailed benchmark gradient,
   side by side, at each ``--sizes`` x ``--densities`` (:func:`sparsync.bench.selection.compare_exact_topk`).
 
 * ``selection`` - exact top-k vs threshold (naive and chunked kernel) vs MiCRO's partitioned

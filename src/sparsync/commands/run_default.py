@@ -11,12 +11,12 @@ density, convergence options of :mod:`sparsync.convergence`, merge plan).
 
 Every configuration runs once per round, :data:`ROUNDS` rounds (seeds 0, 1, 2), round-robin
 (``sparsync compare --seeds``), so a slow minute of the machine hits every row of a round alike; the
-table gives medians with 95 % bootstrap intervals and :func:`verdict` judges issue 10's goal on
-ratios taken within each round, saying "not decided" where an interval straddles a goal. The
+table gives medians with 95 % bootstrap intervals and :func:`verdict` judges the goals
+(:data:`GOAL_TTT`, :data:`GOAL_ACC`, :data:`GOAL_FLOOR`, :data:`GOAL_LOCAL`) on ratios taken within
+each round, saying "not decided" where an interval straddles a goal. The
 held-out set is the workload's 360 images (:data:`N_TEST`), evaluated every :data:`EVAL_EVERY` steps,
 and time to target is interpolated between evaluations. (A 1024-image held-out set, where one image
-is under 0.1 point, leaves 773 training images, and there the sparse rows need 52-58 steps where dense
-needs 37-41: another job than the one every earlier table measured; ``sparsync compare
+is under 0.1 point, leaves 773 training images: a different, harder job; ``sparsync compare
 --workload-option n_test=1024`` runs it.)
 Ends with the table, the verdict and the report's path. ``--workers`` and ``--workload lm`` give
 the other tables of ``docs/benchmarks.md``.
@@ -27,12 +27,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-#: the sparse configurations ``make run`` shows, best first (``sparsync compare --configs`` syntax):
-#: chosen by the steps-to-target and make-run measurements in docs/benchmarks.md ("make run")
-#: (fp16 values: half the bytes, neutral at 1 Gbit/s on this CPU-bound machine, 15-17 % faster steps at 200 Mbit/s)
-#: (momentum correction takes the rows' kind of momentum: Nesterov's with OPTIMIZER, the label says so).
-#: Trimmed for the repeated rounds: plain ``micro:0.01`` (no convergence options; the slowest of the
-#: three sparse rows in every earlier make run) is left out (``--sparse`` brings it back).
+#: the sparse configurations ``make run`` shows, best first (``sparsync compare --configs`` syntax),
+#: chosen by the steps-to-target measurements in docs/benchmarks.md ("End to end"): fp16 values halve
+#: the bytes on the wire; momentum correction takes the rows' kind of momentum (Nesterov's with
+#: OPTIMIZER, the label says so). Plain ``micro:0.01`` (no convergence options) is left out to fit the
+#: repeated rounds (``--sparse`` brings it back).
 DEFAULT_SPARSE = ["micro:0.02,momentum=0.9,masking=false,warmup_steps=20,warmup_start=0.05,value_dtype=fp16",
                   "micro:0.01,momentum=0.9,masking=false,warmup_steps=20,warmup_start=0.05,value_dtype=fp16",
                   "diloco:16", "micro:0.05,sync_every=16"]
@@ -41,15 +40,14 @@ TRIMMED = ("80 steps per run instead of 100 (every row crossed the target by ste
            "left out (--sparse brings it back)")
 #: the optimizer of every row of the digits table (torch DDP's included; other workloads keep their
 #: own): SGD with Nesterov momentum 0.9. It reaches the
-#: target in fewer steps than plain momentum for dense and sparse training alike (digits MLP, 4 workers,
-#: evaluation every step: dense 38 -> 35, micro 2 % + momentum correction 43 -> 39; docs/benchmarks.md)
+#: target in fewer steps than plain momentum for dense and sparse training alike on this workload
 OPTIMIZER = "nesterov"
 #: torch DDP baselines in make run's table
 #: (post-local SGD at H = 16: the fastest of H in {8, 16, 32} on this job, as DiLoCo's and sparse DiLoCo's H)
 TORCH_ROWS = ["ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4", "ddp-localsgd16"]
 #: digits-mlp in make run: steps per run, rounds (one seed each), evaluation grid, held-out images
 STEPS, ROUNDS, EVAL_EVERY, N_TEST = 80, 3, 2, 360
-#: the goals of issue 10 (verdict): time to target vs torch DDP + fp16, accuracy gap to dense (points),
+#: the project's goals (verdict): time to target vs torch DDP + fp16, accuracy gap to dense (points),
 #: step vs the floor
 GOAL_TTT, GOAL_ACC, GOAL_FLOOR = 0.5, 0.5, 1.5
 #: against torch's post-local SGD (local steps): the best sparsync row's time to target
