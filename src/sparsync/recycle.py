@@ -1,9 +1,9 @@
 """Recycled result buffers: a large tensor handed to a caller is reused once nobody holds it any more.
 
-Why: a fresh multi-MB CPU tensor is page-faulted in on first touch (at n = 1e7 a fresh 40 MB
-``torch.zeros`` costs ~7 ms of page faults per rank, several times that on the loaded 2-core
-machine; zeroing a recycled buffer ~0.7 ms). Reducers (:meth:`sparsync.reducers.base.Reducer.output_buffer`)
-and collectives that return dense results (``dsar_split_allgather``) keep a small pool.
+Why: a fresh multi-MB CPU tensor is page-faulted in on first touch, which costs several times
+zeroing a recycled buffer of the same size (more when ranks share cores). Reducers
+(:meth:`sparsync.reducers.base.Reducer.output_buffer`) and collectives that return dense results
+(``dsar_split_allgather``) keep a small pool.
 
 Safety: a pooled buffer is reused only when its storage has no reference outside the pool - the
 caller always gets an alias (``buf.view(-1)``), so while it, or any view or ``numpy()`` alias of it,
@@ -16,8 +16,8 @@ Reference counts: torch has no public API for a storage's use count; the private
 allocates afresh - and a ``RuntimeWarning`` naming the reason is issued once per process.
 
 Zero fill: from :data:`STREAM_MIN_BYTES` on a CPU buffer is zeroed by streaming stores
-(:func:`sparsync.native.zero_`: half the memory traffic of ``zero_``; 25.6M fp32 on one thread 2.8
-vs 8.2 ms); smaller ones, which the caches hold for the writes that follow, by ``zero_``.
+(:func:`sparsync.native.zero_`: half the memory traffic of ``zero_``, no read of the lines
+it writes); smaller ones, which the caches hold for the writes that follow, by ``zero_``.
 """
 
 from __future__ import annotations

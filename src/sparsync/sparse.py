@@ -339,8 +339,8 @@ def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, devic
 def coalesce_in_order(idx_parts, val_parts, numel: int | None = None):
     """Sorted unique indices of the concatenated parts and their values summed in part order.
 
-    One *stable* sort of the indices (as int32 when ``numel`` fits: half the bytes to move, ~2x
-    faster than ``torch.unique``'s int64 sort on this machine at 2M entries), so equal indices stay
+    One *stable* sort of the indices (as int32 when ``numel`` fits: half the bytes to move of
+    ``torch.unique``'s int64 sort), so equal indices stay
     in part order, then a segment sum by :func:`add_at` over the non-decreasing run ids: every index
     gets ``0 + v_0 + v_1 + ...`` in part order, bitwise the same on every rank. ``numel``: an
     upper bound of the indices (None: any int64).
@@ -362,11 +362,10 @@ class IndexFlags:
 
     A persistent all-False bool vector of ``numel`` flags: the members' flags are set, ``idx``'s
     are read, the members' are cleared again - three sparse passes instead of ``isin``'s sort of
-    both lists (~20 ms per call at ``k = 1e5`` on this machine), and no pass over ``numel`` after
+    both lists, and no pass over ``numel`` after
     the first call (the vector is allocated once, zero-filled, and kept by the caller).
-    The flags are bytes written by ``index_fill_`` and read by ``index_select``: on CPU these take
-    a third of the time of advanced indexing (``f[members] = True``, ``f[idx]``) on bool flags
-    (2.3 vs 7.2 ms at ``k = 1e5``, ``n = 1e7``, one thread).
+    The flags are bytes written by ``index_fill_`` and read by ``index_select``, which on CPU are
+    cheaper than advanced indexing (``f[members] = True``, ``f[idx]``) on bool flags.
     """
 
     def __init__(self):

@@ -8,9 +8,8 @@ Dense all-gather (option ``allgather``): ``"ring"`` (default) is the comm's all-
 as MPI uses for large messages in the thesis' experiments); all ``P`` ranks take part, so folded
 ranks get the result without an unfold step. ``"recdbl"`` is recursive doubling over point-to-point
 messages of known size (the ``log2 P`` rounds of the thesis' formula), then unfold. Implementation
-choice: ring by default, because on the emulated 1 Gbit/s cluster our Python-level recursive
-doubling (three sequential exchanges plus concatenation copies) was about 2x slower than its wire
-time (see ``docs/benchmarks.md``).
+choice: ring by default, because a Python-level recursive doubling (sequential exchanges plus
+concatenation copies) adds CPU time on top of its wire time that the comm's all-gather does not.
 
 Cost per rank, ``P`` a power of two, ``N`` divisible by ``P``, ``k/P`` items per part per rank, in
 **bytes received** (``s(m, d) = 8 + min(m(c+isize), d*isize)``; comm size headers excluded)::

@@ -6,8 +6,7 @@ Gloo's sparse all-reduce all-gathers the index and value tensors of every rank a
 ``all_reduce`` of a sparse COO tensor, the thread backend the same computation (gather, coalesce in
 rank order). Ledger (recorded by the comm): two variable all-gathers (indices as int64 and values),
 ring model: ``rounds = 2(P-1)``, ``bytes_received = (P-1)*k*(8+isize)``; the count exchange it needs
-for that is part of this baseline's measured time (one latency-bound collective, ~0.1 ms on
-loopback, ~1 ms on the emulated links).
+for that is part of this baseline's measured time (one latency-bound collective).
 """
 
 from __future__ import annotations

@@ -29,9 +29,8 @@ The only full-size work is step 2 (one read of ``x``; no ``|x|`` copy, no mask o
 Rows whose sample was unlucky (fewer than ``k`` candidates; also all-zero or mostly-NaN rows) are
 finished by the exact path - the k-th magnitude of the whole row, then step 3 - so the result is
 exact whatever the data; only the speed depends on the sample. Small rows (``bs < 32768``) and
-high densities (``k > bs / 8``) take that exact path directly. Measured against ``torch.topk`` in
-``docs/benchmarks.md`` (``sparsync bench-select --parts exact``: ~30x with the C pass, ~10x with
-the torch pass).
+high densities (``k > bs / 8``) take that exact path directly. ``sparsync bench-select --parts
+exact`` times it against ``torch.topk``, with the C pass and with the torch pass.
 """
 
 from __future__ import annotations
@@ -269,8 +268,7 @@ def _candidates_shrink(X: torch.Tensor, below: list, wf: torch.Tensor):
     workspace and ``nonzero`` over it viewed as 64-bit words - plus a gather of the few non-zero
     words (their bits hold the candidates' values). Splitting the words into elements, the
     magnitudes and the NaN filter run once over all tiles' words after the loop (a per-tile
-    second ``nonzero`` and four gathers cost ~2x the pass itself at 1 % density; spardl profile in
-    ``docs/benchmarks.md``, "SparDL's local work").
+    second ``nonzero`` and four gathers would cost more than the pass itself at 1 % density).
     """
     m, bs = X.shape
     per = _WORD // X.element_size()  # elements per 64-bit word
