@@ -12,9 +12,9 @@ the median over rows (``r`` odd: the middle value; ``r`` even: the mean of the t
 For ``r = 1`` the estimate is unbiased over the random choice of hashes
 (``E[est_i] = g_i + sum_{k != i} g_k E[s(i)s(k)] P[h(i)=h(k)] = g_i``) with variance
 ``~ sum_{k != i} g_k^2 / c``; the median of ``r > 1`` rows is not unbiased in general
-(spec §6 caveat 1) but concentrates: its error shrinks as ``c`` grows.
+(the paper's Theorem 1 proves unbiasedness for one row) but concentrates: its error shrinks as ``c`` grows.
 
-Hash family (spec §4 "implementation choice — hashes", over the flat element index ``i``), with the
+Hash family (our choice: the paper does not fix one; over the flat element index ``i``), with the
 Mersenne prime ``p = 2^31 - 1`` so that every product fits in int64 on every device:
 
 * bucket ``h_j(i) = ((a_j * x + b_j) mod p) mod c`` — 2-wise independent (up to the ``mod c``
@@ -27,7 +27,7 @@ Indices ``i >= p`` alias ``i - p`` (vectors of more than 2.1e9 elements hash wit
 indices (a handful of int64 passes over ``r * m`` entries, ``mod p`` by Mersenne folding), or, after
 :meth:`CountSketch.precompute`, gathered from per-index tables (int32 bucket + int8 sign per row).
 
-Bitmap (spec §3 ``C``): one entry per block, ``1`` where this rank has a non-zero block. After a SUM
+Bitmap (the paper's ``C``, §3): one entry per block, ``1`` where this rank has a non-zero block. After a SUM
 all-reduce an entry is ``> 0`` exactly where some rank had that block: the block-level support of
 the aggregate, exactly (the bitmap is summed as floats in the same buffer as the sketch; counts of
 positive ones cannot round to zero in any float type).
@@ -78,7 +78,7 @@ def _check_pos_int(value, what: str, minimum: int = 1) -> int:
 
 def sketch_columns(expected_nnz: int, rows: int = 1, columns: int | None = None,
                    ratio: float | None = None) -> int:
-    """Columns ``c`` of an ``r x c`` sketch (spec §5): ``columns`` if given, else ``ceil(ratio*nnz/r)``.
+    """Columns ``c`` of an ``r x c`` sketch (the paper's §3 sizing): ``columns`` if given, else ``ceil(ratio*nnz/r)``.
 
     ``ratio`` is the paper's ``lambda = m / (alpha d)`` with ``m = r*c`` the total number of cells and
     ``alpha d = expected_nnz`` the expected per-rank non-zero count. A sketch needs at least one column:
@@ -171,8 +171,9 @@ class CountSketch:
     def precompute(self, numel: int) -> None:
         """Tabulate ``h_j(i)`` (int32) and ``s_j(i)`` (int8) for ``i < numel``: 5 bytes per index and row.
 
-        Later calls with indices ``< numel`` gather from the tables instead of hashing (spec §4:
-        "precompute once per tensor shape"); indices beyond raise ``IndexError``. Same values either way.
+        Later calls with indices ``< numel`` gather from the tables instead of hashing (the hashes
+        depend only on the index, so they are computed once per tensor shape); indices beyond raise
+        ``IndexError``. Same values either way.
         """
         numel = int(numel)
         if self._table_n == numel:

@@ -1,6 +1,6 @@
 """The DDP-user paths side by side: torch DDP, torch DDP + ``ss.ddp_hook`` (asynchronous and
 synchronous), SparseDDP - same reducer, density and bucket plan - plus dense SparseDDP against torch DDP
-on the same plan and the no-communication floor, all in one world (issues 10 §3 and 12 §1).
+on the same plan and the no-communication floor, all in one world.
 
 Every configuration trains its own copy of the same model from the same initial weights; they take
 their ``warmup + steps`` steps in turn (round robin, so changes of machine load hit all alike; a

@@ -1,10 +1,11 @@
 """Engine benchmark: merge plans on an emulated 1 Gbit/s cluster, measured vs predicted (MG-WFBP, Shi et al.).
 
 For each reducer (dense and one sparse reducer) the benchmark first runs SparseDDP with
-``merge="optimal"`` to obtain the backward profile (rank 0's, spec §5.1) and the cost model fitted
-on the live group (spec §5.2). Then, in the same 4-rank world, every plan (``wfbp``, ``single``,
-``buckets:25``, ``mgwfbp``, ``optimal``) trains ``steps`` measured steps after ``warmup`` steps,
-with that profile and cost model given (so every plan is judged under the same model). Per plan:
+``merge="optimal"`` to obtain the backward profile (rank 0's, as MG-WFBP profiles, §5.1 of the
+paper) and the cost model fitted on the live group (§4.2, §6.2). Then, in the same 4-rank world,
+every plan (``wfbp``, ``single``, ``buckets:25``, ``mgwfbp``, ``optimal``) trains ``steps`` measured
+steps after ``warmup`` steps, with that profile and cost model given (so every plan is judged under
+the same model). Per plan:
 
 * measured iteration time = forward + backward + wait + optimizer step (median over steps, max
   over ranks), non-overlapped communication = ``last_stats["wait_s"]`` (time the end of backward

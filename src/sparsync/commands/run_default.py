@@ -139,7 +139,7 @@ _MARK = {"yes": "ok", "no": "NO", "not decided": "??"}
 
 
 def verdict(summaries: list[dict]) -> str:
-    """Issue 10's goal, checked on make run's own runs (one or more rounds).
+    """The project's goals, checked on make run's own runs (one or more rounds).
 
     The best sparse configuration is the one with the least median time to target among those whose
     final accuracy is, in median over the rounds, within :data:`GOAL_ACC` points of dense SparseDDP
