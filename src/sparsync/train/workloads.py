@@ -53,7 +53,7 @@ __all__ = ["WORKLOADS", "Workload", "cache_dir", "lm_corpus", "make_workload", "
 
 @dataclass
 class Workload:
-    """A model family + dataset + evaluation, with sensible defaults for this machine."""
+    """A model family + dataset + evaluation, with default hyperparameters (``defaults``)."""
 
     name: str
     build: Callable[[], nn.Module]
