@@ -1,4 +1,4 @@
-"""SparDL benchmark and ledger table (``docs/benchmarks.md``, section ``spardl``).
+"""SparDL benchmark and ledger table (``docs/benchmarks.md``, "SparDL and its baselines").
 
 Two entry points (``python -m sparsync.bench.spardl ledger|cluster``):
 

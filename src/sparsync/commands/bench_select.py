@@ -1,5 +1,5 @@
 """``sparsync bench-select``: selection cost, density tracking and communication of the threshold
-sparsifiers (MiCRO, hard threshold, CLT-k, TopkA) - the micro section of ``docs/benchmarks.md``.
+sparsifiers (MiCRO, hard threshold, CLT-k, TopkA) - ``docs/benchmarks.md``, "Selection kernels".
 
 Parts (``--parts``, default the first three):
 
