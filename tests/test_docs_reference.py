@@ -90,6 +90,17 @@ def test_date_pattern_catches_dated_headings():
         assert not DATE.search(plain), plain
 
 
+def test_patterns_catch_what_they_are_for():
+    for text in ("judges issue 10's goal", "(Issue 4.)", "issues 10 §3 and 12"):
+        assert ISSUE.search(text), text
+    for text in ("see ../shared/DESIGN.md", "/work/main/.venv/bin/python"):
+        assert OUTSIDE.search(text), text
+    for text in ("(``spec/micro.md`` §5)", "exact DP of spec §4.1", "Public contract (``DESIGN.md``)"):
+        assert INTERNAL.search(text), text
+    for text in ("the paper's Table II", "tissue 3", "a topology spec string", "SparCML thesis §3.3.3"):
+        assert not (ISSUE.search(text) or OUTSIDE.search(text) or INTERNAL.search(text)), text
+
+
 def test_benchmarks_headings_carry_no_date():
     dated = [h for h in _headings(BENCHMARKS) if DATE.search(h)]
     assert not dated, f"docs/benchmarks.md: headings with a date (history belongs in git): {dated}"
@@ -100,6 +111,12 @@ def test_docs_name_no_issue_and_no_path_outside_the_repository(path):
     bad = [f"{path.name}:{i}: {line.strip()[:100]}" for i, line in enumerate(_lines(path), 1)
            if ISSUE.search(line) or OUTSIDE.search(line)]
     assert not bad, "issue numbers or paths outside the repository:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+def test_docs_cite_papers_not_internal_files(path):
+    bad = [f"{path.name}:{i}: {line.strip()[:100]}" for i, line in enumerate(_lines(path), 1) if INTERNAL.search(line)]
+    assert not bad, "pointers to internal design files (cite the paper instead):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
