@@ -2,7 +2,8 @@
 
 * README.md at most 220 lines; docs/benchmarks.md at most 800 lines, no heading that carries a date.
 * No issue numbers and no path outside the repository in README.md and docs/*.md.
-* Every ``benchmarks.md#anchor`` link in README.md and docs/*.md names a heading of docs/benchmarks.md.
+* Every relative link in README.md and docs/*.md names a file that exists, and every
+  ``benchmarks.md#anchor`` a heading of docs/benchmarks.md.
 * No pointer to internal design files (``spec/*.md``, ``DESIGN.md``) and no issue number in the
   sources under src/sparsync (docstrings, comments, messages), except the paths still listed in
   :data:`NOT_YET_CLEANED`.
@@ -127,6 +128,14 @@ def test_links_into_benchmarks_name_a_heading(path):
     links = re.findall(rf"\]\((?:docs/)?{prefix}#([^)\s]+)\)", text)
     missing = sorted({a for a in links if a not in anchors})
     assert not missing, f"{path.name}: links to benchmarks.md sections that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+def test_relative_links_name_existing_files(path):
+    text = path.read_text(encoding="utf-8")
+    links = [m for m in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if not re.match(r"[a-z]+:", m)]
+    missing = sorted({m for m in links if not (path.parent / m).exists()})
+    assert not missing, f"{path.name}: links to files that do not exist: {missing}"
 
 
 def _checked_sources() -> list[Path]:
