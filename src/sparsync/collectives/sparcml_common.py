@@ -1,4 +1,5 @@
-"""Shared pieces of the SparCML sparse all-reduce family (``spec/sparcml.md`` §3-5).
+"""Shared pieces of the SparCML sparse all-reduce family (Renggli, "Efficient Sparse AllReduce for Scalable
+Machine Learning", ETH Zurich master's thesis 2017; Renggli et al., SparCML, SC 2019).
 
 * **Streams**: a payload (:class:`~sparsync.sparse.SparseVec` or dense 1-D tensor) travels encoded
   by :func:`sparsync.sparse.encode` (8-byte item count, int32 indices, values; dense when the sparse
@@ -6,15 +7,15 @@
   dimension ``d``; every cost formula of the family is written in these **bytes** (payload bytes as
   the ledger records them; the comm layer's own 8-byte size headers are recorded separately as
   ``header_bytes`` and are *not* part of the formulas).
-* **Fold/unfold** for a world size that is not a power of two (§3.5, MPICH style): with
+* **Fold/unfold** for a world size that is not a power of two (MPICH style): with
   ``P' = 2^floor(log2 P)`` and ``e = P - P'``, ranks ``< 2e`` pair up, the odd one sends its stream to
   the even one (one round), which sums; the ``P'`` survivors run the algorithm under a *virtual rank*
   (``r/2`` for the even ranks ``< 2e``, ``r - e`` for the rest); afterwards each even rank ``< 2e``
   sends the result back to its odd partner (one round).
-* **Index-range split** (§3.2): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
+* **Index-range split** (SSAR_Split_allgather): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
   remainder; ``split_stream`` cuts a payload into those parts, re-based to the part (dimension = part
   size), in one vectorised ``searchsorted``.
-* **Case-2 concatenation** (§5): adjacent subspaces, lower first; both sparse -> sparse (switched to
+* **Case-2 concatenation** (``sum_into_stream`` of adjacent subspaces): lower first; both sparse -> sparse (switched to
   dense if the combined sparse form is not smaller), anything dense -> dense.
 * **Canonical summation**: all summations of more than two operands happen on exactly one rank (the
   owner of a part) in a fixed order, and two-operand sums are commutative bitwise, so every rank
@@ -23,16 +24,19 @@
 
 from __future__ import annotations
 
-import math
 
 import torch
 
 from ..recycle import recycled
-from ..sparse import (SparseVec, as_dtype, add, decode, encode, index_dtype_for, sparse_is_smaller, sum_dtype,
+from ..sparse import (SparseVec, as_dtype, add, decode, encode, sparse_is_smaller, sum_dtype,
                       wire_nbytes,
                       set_at, sum_streams)
+from .sparcml_cost import (CostSim, cost_setup, expected_union, index_bytes_for, log2i, num, pow2_floor,
+                           stream_bytes, union_model)
 
 __all__ = [
+    # the cost arithmetic (.sparcml_cost), re-exported: the collectives import it from here
+    "cost_setup", "index_bytes_for", "log2i", "num", "union_model",
     "CostSim",
     "Fold",
     "allgather_concat",
@@ -57,13 +61,8 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- small helpers
-def pow2_floor(P: int) -> int:
-    """Largest power of two ``<= P``."""
-    return 1 << (int(P).bit_length() - 1)
-
-
 def as_stream(sv: SparseVec):
-    """The input stream: dense directly when ``k`` items would not be smaller than dense (§4)."""
+    """The input stream: dense directly when ``k`` items would not be smaller than dense (the stream's dense switch)."""
     if sparse_is_smaller(sv.nnz, sv.numel, sv.dtype):
         return sv
     return sv.to_dense()
@@ -71,13 +70,6 @@ def as_stream(sv: SparseVec):
 
 def numel_of(x) -> int:
     return x.numel if isinstance(x, SparseVec) else x.numel()
-
-
-def stream_bytes(m: int, d: int, value_bytes: int = 4, index_bytes: int = 4, header: int = 8) -> int:
-    """Bytes of an encoded stream of ``m`` items in dimension ``d`` (dense when not smaller)."""
-    if m * (index_bytes + value_bytes) < d * value_bytes:
-        return header + m * (index_bytes + value_bytes)
-    return header + d * value_bytes
 
 
 def exchange_stream(comm, x, partner: int, numel: int, dtype) -> object:
@@ -156,7 +148,7 @@ def unfold(comm, f: Fold, result, numel: int, dtype):
 
 
 def run_folded(sv: SparseVec, comm, body):
-    """``body(x, f) -> payload`` on the power-of-two survivors, wrapped in fold/unfold (§3.5).
+    """``body(x, f) -> payload`` on the power-of-two survivors, wrapped in fold/unfold.
 
     ``x`` is ``sv`` as a stream (dense if that is smaller); one rank returns it unchanged.
     """
@@ -208,7 +200,7 @@ def split_stream(x, bounds: list[int]) -> list:
 
 
 def concat(lower, upper):
-    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (§5, cases 2a-2d)."""
+    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (cases 2a-2d)."""
     d1, d2 = numel_of(lower), numel_of(upper)
     if (isinstance(lower, SparseVec) and isinstance(upper, SparseVec)
             and sparse_is_smaller(lower.nnz + upper.nnz, d1 + d2, lower.dtype)):
@@ -223,7 +215,7 @@ def densify(x) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- the two phases
 def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtype, while_waiting=None):
-    """Split phase (§3.2/§6): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
+    """Split phase: sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
 
     Counts first (the comm's size headers, recorded as header traffic), then all payloads posted
     at once (non-blocking); arrivals are decoded in a fixed order (``me-1, me-2, ...``) while the
@@ -332,117 +324,6 @@ def write_block(out: torch.Tensor, x, offset: int) -> None:
         set_at(view, x.indices, x.values)
     else:
         view.copy_(x)
-
-
-# ---------------------------------------------------------------------- cost model helpers
-def expected_union(k: float, N: float, P: int) -> float:
-    """``f(k, N, P) = N (1 - (1 - k/N)^P)``: expected union of ``P`` uniform ``k``-subsets (§2)."""
-    if N <= 0:
-        return 0.0
-    return N * (1.0 - (1.0 - min(1.0, k / N)) ** P)
-
-
-def cost_setup(P: int, n: int, value_bytes: int, index_bytes: int | None):
-    """Common start of the SparCML cost formulas: ``(P', log2 P', fold rounds, CostSim)``.
-
-    ``P'`` is the power of two the algorithm runs on (§3.5 fold/unfold adds 2 rounds when ``P' != P``).
-    """
-    if index_bytes is None:
-        index_bytes = index_bytes_for(n)
-    Pp = pow2_floor(P)
-    return Pp, log2i(Pp), (2 if Pp != P else 0), CostSim(value_bytes, index_bytes)
-
-
-def union_model(pattern: str, k_part: float, dim: int):
-    """Union size ``u(j)`` after summing ``j`` parts of ``k_part`` items in a space of ``dim``.
-
-    ``identical``: stays ``k_part``; ``expected``: uniform random indices, :func:`expected_union`;
-    otherwise (``disjoint``, and the upper bound of ``random``): ``min(dim, j * k_part)``.
-    """
-    if pattern == "identical":
-        return lambda j: k_part
-    if pattern == "expected":
-        return lambda j: round(expected_union(k_part, dim, j))
-    return lambda j: min(dim, j * k_part)
-
-
-class CostSim:
-    """Stream sizes in the cost formulas, including the dense switch of the wire format.
-
-    A stream is modelled as ``(items, dense)``; ``add`` applies the upper-bound rule of §5 case 1a
-    (dense iff ``(m1 + m2)(c + isize) >= d*isize``), ``union`` is the resulting item count when it
-    stays sparse. It also counts the local work on this rank's critical path: ``sparse_items``
-    (items through a sparse merge, a sort-based union) and ``dense_elems`` (elements written by a
-    dense operation: densify, scatter, dense add, concatenation copies); ``auto`` prices them with
-    measured per-item costs.
-    """
-
-    def __init__(self, value_bytes=4, index_bytes=4):
-        self.v, self.c = value_bytes, index_bytes
-        self.reset()
-
-    def reset(self):
-        self.sparse_items = 0
-        self.dense_elems = 0
-
-    def work(self) -> dict:
-        return {"sparse_items": num(self.sparse_items), "dense_elems": num(self.dense_elems)}
-
-    def smaller(self, m, d) -> bool:
-        return m * (self.c + self.v) < d * self.v
-
-    def start(self, m, d):
-        return (m, False) if self.smaller(m, d) else (d, True)
-
-    def add_many(self, states, union, d):
-        """:func:`~sparsync.sparse.sum_streams` of several streams whose union has ``union`` items."""
-        sparse_m = sum(m for m, dense in states if not dense)
-        if any(dense for _, dense in states) or sparse_m >= d:
-            self.dense_elems += d + sparse_m
-            return (d, True)
-        self.sparse_items += sparse_m
-        if self.smaller(union, d):
-            return (union, False)
-        self.dense_elems += d
-        return (d, True)
-
-    def add(self, a, b, union, d):
-        (ma, da), (mb, db) = a, b
-        if da or db or not self.smaller(ma + mb, d):
-            self.dense_elems += d + (0 if da else ma) + (0 if db else mb)
-            return (d, True)
-        self.sparse_items += ma + mb
-        return (union, False)
-
-    def bytes(self, s, d) -> int:
-        m, dense = s
-        return 8 + (d * self.v if dense else m * (self.c + self.v))
-
-    def concat(self, a, b, d):
-        (ma, da), (mb, db) = a, b
-        if da or db or not self.smaller(ma + mb, d):
-            self.dense_elems += d
-            return (d, True)
-        self.dense_elems += ma + mb
-        return (ma + mb, False)
-
-    def densify(self, d):
-        self.dense_elems += d
-
-
-def log2i(P: int) -> int:
-    return int(math.log2(P)) if P >= 1 else 0
-
-
-def index_bytes_for(numel: int) -> int:
-    return torch.empty(0, dtype=index_dtype_for(numel)).element_size()
-
-
-def num(x):
-    """An int when ``x`` is integral (formulas use ``k/P`` items per part, which may be fractional)."""
-    if isinstance(x, tuple):
-        return tuple(num(v) for v in x)
-    return int(x) if float(x).is_integer() else x
 
 
 def ring_allgather_dense(comm, f: Fold, mine, bounds: list[int], pos_of_vrank, dtype, device):
