@@ -1,14 +1,19 @@
-"""SparseVec and the sparse/dense stream format (SparCML ``spec/sparcml.md`` §4-5).
+"""SparseVec and the sparse/dense stream format of SparCML (Renggli, "Efficient Sparse AllReduce for
+Scalable Machine Learning", ETH Zurich master's thesis 2017; Renggli et al., SparCML, SC 2019).
 
 A gradient slice travels either as *sparse* (sorted unique indices + values) or as *dense* (all
 ``numel`` values). SparCML's stream switches to dense as soon as the sparse form would not be
 smaller on the wire; every operation that can grow a vector (summation) applies the same rule.
 
-The switch rule (SparCML §4, "implementation choice: follow the code, ``>=`` on bytes")::
+The switch rule (as SparCML's code has it, ``>=`` on bytes)::
 
     go dense  iff  nnz * (index_bytes + value_bytes) >= numel * value_bytes
 
 A *payload* in this module is either a :class:`SparseVec` or a dense 1-D ``torch.Tensor``.
+
+One module because its parts are one format: the vector, the arithmetic that keeps the switch rule
+when payloads are summed, and the wire encoding of the same rule; every collective and reducer
+imports them together, and a split would only move the rule into two places.
 """
 
 from __future__ import annotations
@@ -46,9 +51,8 @@ def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torc
     """``out[index[j]] += values[j]`` for every ``j`` of the 1-D ``index``, in order (a repeated
     index accumulates in input order): ``out.index_add_(0, index, values)`` bit for bit, by
     ``scatter_add_``, which on one CPU thread has no per-call overhead of the size of ``out``
-    (4 scatters of 1e5 entries into a cold 1e7-element buffer: 8.1 ms against 12.8 ms with
-    ``index_add_``; docs/benchmarks.md, issue 11). ``out`` is 1-D (a view of a flat buffer);
-    ``values`` has ``out``'s dtype. Returns ``out``.
+    (``index_add_`` has: it costs more for a few entries into a large, cold buffer). ``out`` is 1-D
+    (a view of a flat buffer); ``values`` has ``out``'s dtype. Returns ``out``.
 
     On CUDA ``scatter_add_`` (and ``index_add_``) add a repeated index with atomics, in whatever
     order the threads arrive: different bits from call to call and from rank to rank. There
@@ -63,8 +67,8 @@ def add_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torc
 
 def set_at(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``out[index] = values`` for a 1-D ``index`` without repeats (values cast to ``out``'s dtype, as
-    indexing assignment does): ``index_copy_`` by ``scatter_``, about half its time and a sixth of
-    ``out[index] = values`` on one CPU thread for 1e5 entries into 1e7. Returns ``out``."""
+    indexing assignment does): ``index_copy_`` by ``scatter_``, which on one CPU thread is cheaper than
+    both ``index_copy_`` and advanced-index assignment for a few entries into a large buffer. Returns ``out``."""
     return out.scatter_(0, index if index.dtype == torch.int64 else index.long(), values.to(out.dtype))
 
 
@@ -340,8 +344,8 @@ def sum_streams(parts: list, numel: int, dtype: torch.dtype | None = None, devic
 def coalesce_in_order(idx_parts, val_parts, numel: int | None = None):
     """Sorted unique indices of the concatenated parts and their values summed in part order.
 
-    One *stable* sort of the indices (as int32 when ``numel`` fits: half the bytes to move, ~2x
-    faster than ``torch.unique``'s int64 sort on this machine at 2M entries), so equal indices stay
+    One *stable* sort of the indices (as int32 when ``numel`` fits: half the bytes to move of
+    ``torch.unique``'s int64 sort), so equal indices stay
     in part order, then a segment sum by :func:`add_at` over the non-decreasing run ids: every index
     gets ``0 + v_0 + v_1 + ...`` in part order, bitwise the same on every rank. ``numel``: an
     upper bound of the indices (None: any int64).
@@ -363,11 +367,10 @@ class IndexFlags:
 
     A persistent all-False bool vector of ``numel`` flags: the members' flags are set, ``idx``'s
     are read, the members' are cleared again - three sparse passes instead of ``isin``'s sort of
-    both lists (~20 ms per call at ``k = 1e5`` on this machine), and no pass over ``numel`` after
+    both lists, and no pass over ``numel`` after
     the first call (the vector is allocated once, zero-filled, and kept by the caller).
-    The flags are bytes written by ``index_fill_`` and read by ``index_select``: on CPU these take
-    a third of the time of advanced indexing (``f[members] = True``, ``f[idx]``) on bool flags
-    (2.3 vs 7.2 ms at ``k = 1e5``, ``n = 1e7``, one thread).
+    The flags are bytes written by ``index_fill_`` and read by ``index_select``, which on CPU are
+    cheaper than advanced indexing (``f[members] = True``, ``f[idx]``) on bool flags.
     """
 
     def __init__(self):
