@@ -41,7 +41,7 @@ _timed_steps = timed_steps  # its name before the timing moved to .timing
 
 def bench_grads(pattern: str, rank: int, numel: int, seed: int, steps: int, device="cpu") -> list[torch.Tensor]:
     """The gradients one rank cycles through: ``"normal"`` (3 seeded normal vectors, or fewer when
-    fewer steps run) or ``"heavy_tail"`` (the heavy-tailed workload, two alternated; see
+    fewer steps run) or ``"heavy_tail"`` (two alternated heavy-tailed gradients; see
     :mod:`sparsync.bench.patterns`)."""
     if pattern == "normal":
         return [make_grad(rank, s, numel, seed, device=device) for s in range(min(steps, 3))]
@@ -56,7 +56,7 @@ REDUCER_BASELINES = {"allreduce": "dense", "plain_allgather": "plain_allgather"}
 
 def _baseline_records(comm, baseline, grads, numel, density, steps, warmup):
     """Timed records of a baseline row: ``"allreduce"`` (the bare in-place gloo all-reduce of a dense
-    vector of ``numel``) or ``"plain_allgather"`` (a user's hand-written reference on the exact
+    vector of ``numel``) or ``"plain_allgather"`` (the hand-written reference a user writes, on the exact
     top-k of each of this rank's gradients, indices precomputed, inputs used in turn)."""
     from ..select.topk import k_for_density, topk_abs
 
@@ -73,8 +73,8 @@ def _baseline_records(comm, baseline, grads, numel, density, steps, warmup):
     return recs
 
 
-#: reducers with a FIXED threshold the user must tune per setting (the hard-threshold baseline of MiCRO,
-#: Yoon and Oh, "requires hyperparameter tuning for each model and dataset"):
+#: reducers with a FIXED threshold the user must tune per setting (the MiCRO paper, Yoon & Oh 2023,
+#: on its hard-threshold baseline: "requires hyperparameter tuning for each model and dataset"):
 #: :func:`_reducer_options` sets it from the workload unless the options give ``threshold``
 FIXED_THRESHOLD = ("hard_threshold",)
 
@@ -94,8 +94,8 @@ def tuned_threshold(comm, g: torch.Tensor, density: float) -> float:
 def _reducer_options(comm, name: str, options: dict, grads, density: float) -> dict:
     """``options`` for reducer ``name``; a fixed-threshold reducer (:data:`FIXED_THRESHOLD`) without a
     ``threshold`` gets :func:`tuned_threshold` of this rank's first gradient, ``threshold="default"``
-    keeps its own default (``1/(2 sqrt k)``, which knows nothing of the gradients' scale: 28 % of
-    the heavy-tailed workload passes it at a 1 % target)."""
+    keeps its own default (``1/(2 sqrt k)``, which knows nothing of the gradients' scale: on the
+    heavy-tailed workload far more than the target passes it)."""
     opts = dict(options)
     if name in FIXED_THRESHOLD:
         if opts.get("threshold") == "default":
@@ -152,8 +152,8 @@ def run_reducer_bench(reducers, world_sizes, numel, density, networks=("loopback
     ranks), bytes, achieved density and ``speedup`` (reference total / total; the reference is the
     ``allreduce`` baseline row when requested, else the ``dense`` reducer).
     ``baselines``: rows timed in the same process group before the reducers
-    (:data:`REDUCER_BASELINES`: ``allreduce`` = the bare gloo all-reduce, ``plain_allgather`` = a
-    user's plain all-gather reference on the exact top-k of the same gradients). Gradients
+    (:data:`REDUCER_BASELINES`: ``allreduce`` = the bare gloo all-reduce, ``plain_allgather`` = the
+    plain all-gather reference on the exact top-k of the same gradients). Gradients
     (:func:`bench_grads`): ``pattern="normal"`` synthetic normal vectors (3 per rank, cycled: selection
     sees realistic magnitudes but not a real model's) or ``"heavy_tail"`` (:mod:`sparsync.bench.patterns`).
     ``residuals``: ``"keep"`` (error feedback carried between calls, the steady state) and/or

@@ -4,7 +4,7 @@ Why: every benchmark in this project compares methods the same way (``docs/bench
 each timed step starts with a barrier so the ranks begin together (and ends with one, so no rank's
 untimed preparation of the next step overlaps another's timed call), the step's time is the MAX over
 ranks (the slowest rank gates a synchronous data-parallel step) and a configuration's time is the
-MEDIAN over steps (robust to noise from other work on the machine). Bytes come from the ledger
+MEDIAN over steps (robust to the noise of a shared machine). Bytes come from the ledger
 (``comm.py``), so they are the same on every backend.
 
 * :func:`time_reducer` runs ``make_reducer(name, comm, density, **options)`` for ``warmup + steps``

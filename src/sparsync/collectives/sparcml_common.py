@@ -1,5 +1,9 @@
-"""Shared pieces of the SparCML sparse all-reduce family (Renggli, "Efficient Sparse AllReduce for Scalable
-Machine Learning", ETH Zurich master's thesis 2017; Renggli et al., SparCML, SC 2019).
+"""Shared pieces of the SparCML sparse all-reduce family.
+
+SparCML: Renggli, Ashkboos, Aghagolzadeh, Alistarh, Hoefler, "SparCML: High-Performance Sparse
+Communication for Machine Learning" (SC'19); its long form is Renggli's thesis "Efficient Sparse
+AllReduce for Scalable Machine Learning" (ETH Zurich, 2017), whose sections the ``§`` numbers in
+:mod:`sparsync.collectives` cite.
 
 * **Streams**: a payload (:class:`~sparsync.sparse.SparseVec` or dense 1-D tensor) travels encoded
   by :func:`sparsync.sparse.encode` (8-byte item count, int32 indices, values; dense when the sparse
@@ -7,15 +11,15 @@ Machine Learning", ETH Zurich master's thesis 2017; Renggli et al., SparCML, SC 
   dimension ``d``; every cost formula of the family is written in these **bytes** (payload bytes as
   the ledger records them; the comm layer's own 8-byte size headers are recorded separately as
   ``header_bytes`` and are *not* part of the formulas).
-* **Fold/unfold** for a world size that is not a power of two (MPICH style): with
+* **Fold/unfold** for a world size that is not a power of two (MPICH style; the thesis assumes a power of two): with
   ``P' = 2^floor(log2 P)`` and ``e = P - P'``, ranks ``< 2e`` pair up, the odd one sends its stream to
   the even one (one round), which sums; the ``P'`` survivors run the algorithm under a *virtual rank*
   (``r/2`` for the even ranks ``< 2e``, ``r - e`` for the rest); afterwards each even rank ``< 2e``
   sends the result back to its odd partner (one round).
-* **Index-range split** (SSAR_Split_allgather): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
+* **Index-range split** (§3.3.3): ``w = floor(N/P)``, part ``j = [j*w, (j+1)*w)``, last part takes the
   remainder; ``split_stream`` cuts a payload into those parts, re-based to the part (dimension = part
   size), in one vectorised ``searchsorted``.
-* **Case-2 concatenation** (``sum_into_stream`` of adjacent subspaces): lower first; both sparse -> sparse (switched to
+* **Case-2 concatenation** (§4.1.3): adjacent subspaces, lower first; both sparse -> sparse (switched to
   dense if the combined sparse form is not smaller), anything dense -> dense.
 * **Canonical summation**: all summations of more than two operands happen on exactly one rank (the
   owner of a part) in a fixed order, and two-operand sums are commutative bitwise, so every rank
@@ -23,7 +27,6 @@ Machine Learning", ETH Zurich master's thesis 2017; Renggli et al., SparCML, SC 
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -62,7 +65,7 @@ __all__ = [
 
 # ---------------------------------------------------------------------- small helpers
 def as_stream(sv: SparseVec):
-    """The input stream: dense directly when ``k`` items would not be smaller than dense (the stream's dense switch)."""
+    """The input stream: dense directly when ``k`` items would not be smaller than dense (§4.1.2)."""
     if sparse_is_smaller(sv.nnz, sv.numel, sv.dtype):
         return sv
     return sv.to_dense()
@@ -200,7 +203,7 @@ def split_stream(x, bounds: list[int]) -> list:
 
 
 def concat(lower, upper):
-    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (cases 2a-2d)."""
+    """SparCML ``sum_into_stream`` case 2: adjacent subspaces, ``lower`` first (§4.1.3, cases 2a-2d)."""
     d1, d2 = numel_of(lower), numel_of(upper)
     if (isinstance(lower, SparseVec) and isinstance(upper, SparseVec)
             and sparse_is_smaller(lower.nnz + upper.nnz, d1 + d2, lower.dtype)):
@@ -215,7 +218,7 @@ def densify(x) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- the two phases
 def direct_split_sum(comm, x, bounds: list[int], peers: list[int], me: int, dtype, while_waiting=None):
-    """Split phase: sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
+    """Split phase (§3.3.3/§4.1.4): sub-stream ``j`` goes to ``peers[j]``; sum what arrives for part ``me``.
 
     Counts first (the comm's size headers, recorded as header traffic), then all payloads posted
     at once (non-blocking); arrivals are decoded in a fixed order (``me-1, me-2, ...``) while the

@@ -1,13 +1,15 @@
 """The arithmetic of the SparCML cost formulas: stream sizes, expected unions, the dense switch.
 
-Every cost formula of the family (Renggli, "Efficient Sparse AllReduce for Scalable Machine Learning",
-ETH Zurich master's thesis 2017; Renggli et al., SparCML, SC 2019) is written in the bytes of encoded streams
-(:func:`stream_bytes`: an 8-byte item count, then indices and values, or the dense values when the
-sparse form would not be smaller). :class:`CostSim` follows the sizes of the streams an algorithm
-sends and the local work on the critical path; :func:`expected_union` is the expected number of
-distinct indices of ``P`` uniform ``k``-subsets; :func:`cost_setup` is the common start of a formula
-on ``P' = 2^floor(log2 P)`` ranks (the fold/unfold of a world size that is not a power of two adds two
-rounds).
+SparCML: Renggli, Ashkboos, Aghagolzadeh, Alistarh, Hoefler, "SparCML: High-Performance Sparse
+Communication for Machine Learning" (SC'19); its long form is Renggli's thesis "Efficient Sparse
+AllReduce for Scalable Machine Learning" (ETH Zurich, 2017), whose sections the ``§`` numbers cite.
+Every cost formula of the family is written in the bytes of encoded streams (:func:`stream_bytes`:
+an 8-byte item count, then indices and values, or the dense values when the sparse form would not
+be smaller). :class:`CostSim` follows the sizes of the streams an algorithm sends and the local work
+on the critical path; :func:`expected_union` is the expected number of distinct indices of ``P``
+uniform ``k``-subsets; :func:`cost_setup` is the common start of a formula on ``P' = 2^floor(log2 P)``
+ranks (the fold/unfold of a world size that is not a power of two adds two rounds). The data path
+of the family is :mod:`sparsync.collectives.sparcml_common`, which re-exports these names.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def stream_bytes(m: int, d: int, value_bytes: int = 4, index_bytes: int = 4, hea
 
 
 def expected_union(k: float, N: float, P: int) -> float:
-    """``f(k, N, P) = N (1 - (1 - k/N)^P)``: expected union of ``P`` uniform ``k``-subsets."""
+    """``f(k, N, P) = N (1 - (1 - k/N)^P)``: expected union of ``P`` uniform ``k``-subsets (§3.2)."""
     if N <= 0:
         return 0.0
     return N * (1.0 - (1.0 - min(1.0, k / N)) ** P)
@@ -68,7 +70,7 @@ def union_model(pattern: str, k_part: float, dim: int):
 class CostSim:
     """Stream sizes in the cost formulas, including the dense switch of the wire format.
 
-    A stream is modelled as ``(items, dense)``; ``add`` applies the upper-bound rule of ``sum_into_stream`` case 1a
+    A stream is modelled as ``(items, dense)``; ``add`` applies the upper-bound rule of §4.1.3 case 1a
     (dense iff ``(m1 + m2)(c + isize) >= d*isize``), ``union`` is the resulting item count when it
     stays sparse. It also counts the local work on this rank's critical path: ``sparse_items``
     (items through a sparse merge, a sort-based union) and ``dense_elems`` (elements written by a
