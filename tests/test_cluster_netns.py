@@ -243,3 +243,24 @@ def test_parse_bandwidth():
         with pytest.raises(ValueError, match="bandwidth"):
             C.parse_bandwidth(bad)
     assert C.format_bandwidth(10**9) == "1gbit" and C.format_bandwidth(None) == "unlimited"
+
+
+_CHAINED = textwrap.dedent("""
+    import os, signal
+    from sparsync.cluster import EmulatedCluster, list_namespaces
+    seen = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    cl = EmulatedCluster(2).start()
+    base = cl.base
+    os.kill(os.getpid(), signal.SIGTERM)  # the cluster's handler: delete the namespaces, then call ours
+    left = [n for n in list_namespaces() if n.startswith(base)]
+    print(seen == [signal.SIGTERM], left, signal.getsignal(signal.SIGTERM).__name__, flush=True)
+""")
+
+
+def test_signal_chains_to_the_previous_python_handler(needs_netns):
+    """A signal that arrives while a network is open deletes its namespaces and is then handed to the
+    handler that was installed before (which here keeps the process alive), and that handler is back."""
+    out = subprocess.run([sys.executable, "-c", _CHAINED], check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "[]", "<lambda>"]

@@ -29,16 +29,12 @@ NOT_YET_CLEANED = (
     "reducers/",
     "spardl/",
     "schedule/",
-    "native/",
     "convergence.py",
     "select/calibration.py",
     "commhook.py",
     "ddp.py",
     "comm.py",
     "torchcomm.py",
-    "cluster.py",
-    "launch.py",
-    "train/runs.py",
 )
 
 ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)

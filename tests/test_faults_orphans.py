@@ -179,3 +179,44 @@ def test_torchrun_workers_die_with_their_agent(tmp_path):
         for q in workers:
             with contextlib.suppress(OSError):
                 os.kill(q, signal.SIGKILL)
+
+
+_ORPHANED = """
+import sys, time
+from sparsync.launch import on_orphan, run_local
+on_orphan(lambda: open(sys.argv[1], "w").write("ran"))
+remove = on_orphan(lambda: open(sys.argv[2], "w").write("ran"))
+remove()
+
+
+def fn(comm):
+    if comm.rank == 0:
+        print("running", flush=True)
+    time.sleep(60)
+
+
+run_local(fn, 2, backend="gloo", timeout=120)
+on_orphan(lambda: open(sys.argv[3], "w").write("ran"))
+"""
+
+
+@pytest.mark.gloo
+def test_on_orphan_callbacks_run_when_the_launcher_is_killed(tmp_path):
+    """A launcher killed by SIGKILL: its run's reaper runs the callbacks registered (and not removed)
+    when the run started, and removes the store; a callback removed before does not run."""
+    marks = [tmp_path / f"m{i}" for i in range(3)]
+    p = subprocess.Popen([sys.executable, "-c", _ORPHANED, *map(str, marks)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "running"
+        below = descendants(p.pid)
+        p.kill()
+        p.wait(timeout=30)
+        assert wait_clean(p.pid, below, timeout=5.0) == {}
+        end = time.monotonic() + 5
+        while not marks[0].exists() and time.monotonic() < end:
+            time.sleep(0.05)
+        assert marks[0].read_text() == "ran"
+        assert not marks[1].exists() and not marks[2].exists()
+    finally:
+        if p.poll() is None:
+            p.kill()

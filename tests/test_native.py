@@ -265,3 +265,14 @@ def test_switched_off_blocks_of_two_threads_overlap_and_count():
         th.join()
     assert seen == {"inside": False, "main thread": False}
     assert native.enabled()
+
+
+def test_switched_off_reaches_thread_ranks_started_inside_the_block():
+    """The switch is process-wide on purpose: thread ranks started inside a block run the torch kernels."""
+    import sparsync as ss
+
+    with native.switched_off():
+        inside = ss.run_local(lambda comm: native.enabled(), 3, backend="thread")
+    assert inside == [False] * 3
+    assert ss.run_local(lambda comm: native.enabled(), 3, backend="thread") == [True] * 3
+    assert native.SWITCH.blocks == 0 and not native.SWITCH.off

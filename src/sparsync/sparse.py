@@ -9,6 +9,10 @@ The switch rule (SparCML's stream format; ``>=`` on bytes, as the authors' code 
     go dense  iff  nnz * (index_bytes + value_bytes) >= numel * value_bytes
 
 A *payload* in this module is either a :class:`SparseVec` or a dense 1-D ``torch.Tensor``.
+
+One module because its parts are one format: the vector, the arithmetic that keeps the switch rule
+when payloads are summed, and the wire encoding of the same rule; every collective and reducer
+imports them together, and a split would only move the rule into two places.
 """
 
 from __future__ import annotations

@@ -15,17 +15,18 @@ top-k (:mod:`sparsync.select.exact`: every top-k reducer, SparDL's block selecti
 the same, in the same order, as the torch kernels they replace (tested side by side); only the time
 differs.
 
-Why: on the CPU torch's ``nonzero`` costs ~2.5 ns per element (the threshold kernel's chunked
-``abs``/``ge``/``nonzero`` ~1.4 ns, the exact top-k's candidate pass ~3 ns); the C loop (``kernels.c``:
-AVX2 compares, one 64-bit mask per 64 elements, only the set bits visited) ~0.3 ns, about the cost
-of reading ``x`` once.
+Why: torch has no stream compaction on the CPU; ``nonzero`` over a mask writes and re-reads the
+mask, and the threshold kernel's chunked ``abs``/``ge``/``nonzero`` and the exact top-k's candidate
+pass each visit every element several times. The C loop (``kernels.c``: AVX2 compares, one 64-bit
+mask per 64 elements, only the set bits visited) costs about one read of ``x``
+(``sparsync bench-select`` times the selection kernels with both paths side by side).
 
 Use: :func:`usable(x) <usable>` says whether a tensor can take the C path; callers keep their torch
 path for everything else (CUDA, other dtypes, non-contiguous views) and when the kernels are off.
-``SPARSYNC_NATIVE=0`` turns them off (:func:`switched_off` for a block); when they cannot be loaded
-the torch kernels run after one warning naming the reason (:func:`info` says which path runs, why,
-and where the library came from). ``ctypes`` releases the GIL during the call, so a rank's training
-thread runs Python meanwhile.
+``SPARSYNC_NATIVE=0`` turns them off (:func:`switched_off` for a block: :class:`KernelSwitch`); when
+they cannot be loaded the torch kernels run after one warning naming the reason (:func:`info` says
+which path runs, why, and where the library came from). ``ctypes`` releases the GIL during the
+call, so a rank's training thread runs Python meanwhile.
 
 Build and load: ``kernels.c`` is compiled when the package is built or installed
 (:mod:`~sparsync.native.build`, called by ``setup.py``); importing and using the package then compiles
@@ -52,8 +53,8 @@ import torch
 from .build import BuildError
 from .loader import load
 
-__all__ = ["bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16", "enabled", "info",
-           "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
+__all__ = ["SWITCH", "KernelSwitch", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16",
+           "enabled", "info", "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -61,13 +62,45 @@ _FIRST_CAPACITY = 1 << 16
 _lock = threading.Lock()
 _state: dict = {}  # "lib" (ctypes.CDLL or None), "why" (str: the reason when None), "origin" (str)
 _local = threading.local()
-_off_lock = threading.Lock()
-_off_blocks = 0  # open switched_off() blocks, of any thread
+
+
+class KernelSwitch:
+    """Turns the C kernels off for a block, for EVERY thread of the process (:func:`switched_off`).
+
+    Process-wide on purpose: the blocks exist for side-by-side timings and tests, and the thread ranks
+    of ``run_local(backend="thread")`` are threads started inside the block - a per-thread switch
+    would miss them (and a rank process of ``backend="gloo"`` forked inside it inherits the count).
+    Blocks may nest and overlap across threads: a count under a lock (``blocks``), and the kernels
+    come back when the last open block ends, whatever the order the blocks end in.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.blocks = 0  # open blocks, of any thread
+
+    @property
+    def off(self) -> bool:
+        return self.blocks > 0
+
+    @contextlib.contextmanager
+    def block(self):
+        """Inside it the torch kernels run, in every thread."""
+        with self._lock:
+            self.blocks += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.blocks -= 1
+
+
+#: the switch of this process
+SWITCH = KernelSwitch()
 
 
 def _library() -> ctypes.CDLL | None:
     """The loaded kernels, or None (switched off, or not loadable: warned once)."""
-    if _off_blocks:
+    if SWITCH.blocks:
         return None
     if "lib" in _state:
         return _state["lib"]
@@ -96,24 +129,16 @@ def info() -> dict:
     """Which path runs: ``{"enabled", "vectorised", "why", "origin"}`` (for reports and bug reports);
     ``origin`` says where the library came from (installed with the package, or a build cache)."""
     lib = _library()
-    why = "switched off for a block (native.switched_off)" if _off_blocks else _state.get("why", "")
+    why = "switched off for a block (native.switched_off)" if SWITCH.blocks else _state.get("why", "")
     return {"enabled": lib is not None, "vectorised": bool(lib and lib.sparsync_vectorised()),
             "why": why, "origin": _state.get("origin", "") if lib is not None else ""}
 
 
-@contextlib.contextmanager
 def switched_off():
     """Inside the block the torch kernels run, for EVERY thread of the process (thread ranks
-    included): side-by-side timings and tests. Blocks may nest and overlap across threads (a count
-    under a lock): the kernels come back when the last open block ends."""
-    global _off_blocks
-    with _off_lock:
-        _off_blocks += 1
-    try:
-        yield
-    finally:
-        with _off_lock:
-            _off_blocks -= 1
+    included): side-by-side timings and tests. Blocks may nest and overlap across threads: the
+    kernels come back when the last open block ends (:class:`KernelSwitch`)."""
+    return SWITCH.block()
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -209,9 +234,8 @@ def zero_(x: torch.Tensor) -> torch.Tensor:
     """``x.zero_()`` by streaming stores (any dtype; ``x`` a contiguous CPU tensor, kernels on).
 
     For buffers much larger than the caches only: a streaming store skips the read of the line it
-    writes, so the fill moves half the bytes (25.6M fp32, one thread: ``zero_`` 8.2 ms, this 2.8),
-    but leaves nothing in the cache for a reader that follows at once (:mod:`sparsync.recycle` uses
-    it from :data:`STREAM_MIN_BYTES` on)."""
+    writes, so the fill moves half the bytes, but leaves nothing in the cache for a reader that
+    follows at once (:mod:`sparsync.recycle` uses it from :data:`STREAM_MIN_BYTES` on)."""
     if not (enabled() and x.device.type == "cpu" and x.is_contiguous()):
         raise ValueError("zero_ needs a contiguous CPU tensor and the C kernels on "
                          f"(got {tuple(x.shape)} on {x.device}; {info()['why'] or 'kernels on'})")
@@ -224,8 +248,8 @@ def sum_check(out: torch.Tensor, r: torch.Tensor | None, g: torch.Tensor) -> boo
 
     The same bits as ``torch.add(g, r, out=out)`` / ``out.copy_(g)``; ``out`` is written even when
     it is not finite (so it must be a scratch buffer then: never ``r`` or ``g``). Streaming stores
-    (see :func:`zero_`): 25.6M fp32 on one thread, ``torch.add(..., out=)`` 15.3 ms plus a finite
-    check (``g.sum()``) 6.4 ms, this 13.6 ms in all. 1-D :func:`usable` tensors of one length."""
+    (see :func:`zero_`), and one pass instead of ``torch.add(..., out=)`` and a separate finite check
+    (``g.sum()``). 1-D :func:`usable` tensors of one length."""
     n = g.numel()
     if not (usable(out) and usable(g) and (r is None or usable(r)) and out.dim() == g.dim() == 1
             and out.numel() == n and (r is None or (r.dim() == 1 and r.numel() == n))):

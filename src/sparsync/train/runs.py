@@ -27,362 +27,40 @@ or ``--resume``; ``--resume`` with no checkpoint; a checkpoint whose file is unr
 whose config fingerprint / world size / rank differs from the run's; ``--resume --steps N`` with N
 below the step the latest checkpoint holds (checkpoints are named by the step whose state they hold).
 
-Ownership and concurrency: a run name is one path component (:func:`check_run_name`: no ``/``, not
-``.``, ``..`` or empty), so a run never lands outside ``runs_dir``. A run directory carries a marker
-file (``.sparsync-run``) from its creation on, and ``--force`` empties only a directory that has it
-(:func:`is_run`): never a directory sparsync did not make. Every writer holds an advisory lock
-(``fcntl.flock`` on ``<run>/.lock``, :class:`RunLock`) from preparing the directory to the end of
-the run; a second writer (a second ``--resume``, a ``--force`` on a live run) gets :class:`RunBusy`
-naming the holder's pid. ``--force`` empties the directory but keeps the lock file, so the lock
-stays one file for the directory's whole life.
-
-Metrics: one JSON object per line, each written with a single ``write`` on an ``O_APPEND`` file
-(:class:`MetricsWriter`), so a write cut short (a full disk, a kill) can only tear the last line;
-:func:`read_metrics` drops a torn last line with a warning naming the file, and a failed write
-raises an ``OSError`` naming the file.
+The parts: :mod:`.config` (:class:`TrainConfig`, its fingerprint), :mod:`.ownership` (run names,
+the marker file that ``--force`` requires, the advisory lock every writer holds: :class:`RunLock`,
+:func:`prepare_dir`), :mod:`.metrics_file` (the append-only ``metrics.jsonl``), :mod:`.errors` (the
+refusals); this module holds :class:`RunDir` and the checkpoint files.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
-import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
-import warnings
-from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 
+from .config import VOLATILE, TrainConfig, default_name
+from .errors import CheckpointError, RunBusy, RunExists
+from .metrics_file import MetricsWriter, read_metrics
+from .ownership import LOCK, MARKER, RUN_FORMAT, RunLock, atomic_write, check_run_name, is_run, prepare_dir, run_job
+
 __all__ = ["CKPT_FORMAT", "CheckpointError", "MetricsWriter", "RunBusy", "RunDir", "RunExists", "RunLock",
-           "TrainConfig", "check_run_name", "is_run", "read_metrics"]
+           "TrainConfig", "check_run_name", "is_run", "read_metrics",
+           # re-exported from the parts
+           "LOCK", "MARKER", "RUN_FORMAT", "default_name", "load_checkpoint", "prepare_dir", "run_job",
+           "save_checkpoint"]
 
 CKPT_FORMAT = "sparsync-train-checkpoint/1"
-RUN_FORMAT = "sparsync-run/1"
-MARKER = ".sparsync-run"   # written when a run (or a comparison) directory is created
-LOCK = ".lock"             # the advisory lock file of a run directory (kept by --force)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or does not belong to this run."""
-
-
-class RunExists(RuntimeError):
-    """The run directory exists and neither --force nor --resume was given (or --force was given
-    for a directory that is not a sparsync run)."""
-
-
-class RunBusy(RunExists):
-    """Another live process writes this run directory (it holds the run's lock)."""
-
-
-def check_run_name(name, what: str = "--name") -> str:
-    """``name`` if it is one path component (a directory name inside ``runs_dir``), else ValueError."""
-    bad = (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name
-           or bool(os.altsep and os.altsep in name))
-    if bad:
-        raise ValueError(f"{what} must be a single directory name inside the runs directory (no '/', not '.', "
-                         f"'..' or empty), got {name!r}")
-    return name
-
-
-def _marker(path: Path) -> dict | None:
-    try:
-        d = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return d if isinstance(d, dict) and d.get("format") == RUN_FORMAT else None
-
-
-def is_run(path, kind: str = "train") -> bool:
-    """Whether ``path`` is a directory sparsync made for a run (``kind="train"``) or a comparison
-    (``"compare"``): its marker file says so. Directories of older versions (no marker) count when
-    they hold what only sparsync writes: a train run's ``config.json`` with its fingerprint and
-    ``metrics.jsonl``, a comparison's ``comparison.json``. A symbolic link never counts."""
-    path = Path(path)
-    if path.is_symlink() or not path.is_dir():
-        return False
-    m = _marker(path)
-    if m is not None:
-        return m.get("kind") == kind
-    if kind == "compare":
-        return (path / "comparison.json").is_file()
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg, dict) and "fingerprint" in cfg and (path / "metrics.jsonl").is_file()
-
-
-def _clear(path: Path, keep: tuple[str, ...] = (LOCK,)) -> None:
-    """Remove everything inside ``path`` except the names in ``keep`` (links are removed, not followed)."""
-    for x in path.iterdir():
-        if x.name in keep:
-            continue
-        if x.is_dir() and not x.is_symlink():
-            shutil.rmtree(x)
-        else:
-            x.unlink()
-
-
-class RunLock:
-    """An exclusive advisory lock on a run directory: ``fcntl.flock`` on ``<dir>/.lock``, which holds
-    the owner's pid. The kernel drops it when the owner's last descriptor closes (a killed launcher
-    frees it at once). :meth:`acquire` raises :class:`RunBusy` naming the holder."""
-
-    def __init__(self, path, what: str = "run directory"):
-        self.path, self.what, self.fd = Path(path), what, None
-
-    def acquire(self) -> RunLock:
-        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise RunBusy(f"{self.what} {self.path} is in use by another sparsync process (pid {holder}); "
-                          "wait for it to end, or pick another --name") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd = fd
-        return self
-
-    def release(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            os.close(fd)
-
-    close = release  # contextlib.closing
-
-
-def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str = "run directory") -> RunLock:
-    """Create (or, with ``force``, empty) the run or comparison directory ``path`` and lock it; returns
-    the held :class:`RunLock`. An existing non-empty directory is refused without ``force``, and
-    with it unless it :func:`is_run` of ``kind`` (nothing else is ever deleted); a locked one is
-    refused (:class:`RunBusy`). Writes the marker (``job``: the torchrun job that made it)."""
-    path = Path(path)
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise RunExists(f"{path} exists and is not a directory; pick another --name or --runs-dir")
-
-    def refuse_unless_ours():
-        if path.is_dir() and any(x.name != LOCK for x in path.iterdir()):
-            if not force:
-                raise RunExists(f"{what} {path} already exists; pass --force to overwrite it, "
-                                + ("--resume to continue it, " if kind == "train" else "")
-                                + "or --name to pick another name")
-            if not is_run(path, kind):
-                raise RunExists(f"{path} exists and is not a sparsync {'run' if kind == 'train' else 'comparison'} "
-                                "directory (no marker file); --force deletes only those - pick another --name")
-            return True
-        return False
-
-    refuse_unless_ours()  # before anything is created in a directory that is not ours
-    path.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(path, what).acquire()
-    try:
-        if refuse_unless_ours():  # again under the lock: another process may have written meanwhile
-            _clear(path)
-        _atomic_write(path / MARKER, json.dumps({"format": RUN_FORMAT, "kind": kind, "job": job}))
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def run_job(path) -> str | None:
-    """The torchrun job recorded in a run directory's marker (None: none, or no marker)."""
-    m = _marker(Path(path))
-    return m.get("job") if m else None
-
-
-def read_metrics(path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (missing file: none). A torn last line - a write cut short
-    by a full disk or a kill - is dropped with a warning naming the file; an unreadable line before
-    the last is a :class:`CheckpointError` naming the file and the line."""
-    path = Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_text(errors="replace").split("\n")
-    out = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            if not any(x.strip() for x in lines[i + 1:]):  # the last line: torn
-                warnings.warn(f"{path}: ignoring its torn last line (a write cut short, e.g. by a full disk): "
-                              f"{line[:60]!r}", RuntimeWarning, stacklevel=2)
-                break
-            raise CheckpointError(f"{path} line {i + 1} is not a metrics record ({e}); "
-                                  "the file is damaged") from None
-        out.append(rec)
-    return out
-
-
-class MetricsWriter:
-    """Appends one record per line to ``metrics.jsonl``: each line one ``os.write`` on an
-    ``O_APPEND`` descriptor (a cut-short write tears only the last line, which :func:`read_metrics`
-    drops); a failed write raises ``OSError`` with the file named (a full disk says where)."""
-
-    def __init__(self, path):
-        self.path = Path(path)
-        try:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
-
-    def write(self, rec: dict) -> None:
-        data = (json.dumps(rec) + "\n").encode()
-        try:
-            while data:
-                data = data[os.write(self.fd, data):]
-        except OSError as e:
-            raise OSError(e.errno, f"{e.strerror} (writing the metrics file)", str(self.path)) from None
-
-    def close(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            os.close(fd)
-
-
-#: fields that do not change the trajectory of a run (may differ between a run and its resume)
-_VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "rate_schedule", "force",
-             "resume", "target_accuracy", "target_loss", "timeout", "time_limit", "final_checkpoint",
-             "keep_checkpoints"}
-_TMP_RE = re.compile(r"\.tmp\d+$")  # what _atomic_write / save_checkpoint leave when killed
+_TMP_RE = re.compile(r"\.tmp\d+$")  # what atomic_write / save_checkpoint leave when killed
 _STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-@dataclass
-class TrainConfig:
-    """One training configuration (``sparsync train`` arguments after defaults are filled in)."""
-
-    workload: str = "digits-mlp"
-    reducer: str = "dense"            # a registered reducer, or "ddp" / "ddp-fp16" (torch's own DDP)
-    density: float = 0.01
-    merge: str = "single"
-    reducer_options: dict = field(default_factory=dict)
-    workload_options: dict = field(default_factory=dict)
-    ddp_options: dict = field(default_factory=dict)   # extra SparseDDP keywords (nonfinite, unused, ...)
-    convergence: dict = field(default_factory=dict)   # sparsync.convergence.GradientPolicy options
-    local_steps: dict = field(default_factory=dict)   # DiLoCo (sync_every, outer_lr, ...) / post-local SGD warmup
-    workers: int = 4
-    steps: int | None = None
-    epochs: float | None = None
-    batch_size: int | None = None     # per worker
-    lr: float | None = None
-    optimizer: str | None = None      # sgd | momentum | nesterov | adam | adamw (sparsync.train.optim)
-    momentum: float = 0.9
-    weight_decay: float | None = None  # default: the workload's, else 0
-    lr_warmup: int | None = None      # linear learning-rate warm-up steps (default: the workload's, else 0)
-    lr_schedule: str | None = None    # constant | cosine (default: the workload's, else constant)
-    adam_freeze: int = 0              # adamw: freeze the second moment after N steps (0: off; sparsync.adam)
-    target_accuracy: float | None = None  # reached at or above (higher is better) ...
-    target_loss: float | None = None  # ... or the held-out loss reached at or below; one of them
-    eval_every: int | None = None
-    seed: int = 0
-    name: str | None = None
-    runs_dir: str = "runs"
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2         # newest complete checkpoints kept (0 = all)
-    final_checkpoint: bool = True     # compare turns it off (each rank's file is ~50 MB for digits-mlp)
-    network: str = "loopback"         # loopback | 1gbit (any tc rate) | 2x2@10gbit/200mbit (sites) | thread
-    rate_schedule: str = ""           # "STEP:RATE,...": the emulated inter-host rate changes at STEP
-    progress: bool = True
-    timeout: float = 600.0            # stall timeout: seconds without a completed step (run_local)
-    time_limit: float | None = None   # whole-run limit in seconds (None: none)
-
-    def fill_defaults(self, workload) -> TrainConfig:
-        d = workload.defaults
-        for k in ("batch_size", "lr", "optimizer", "eval_every"):
-            if getattr(self, k) is None:
-                setattr(self, k, d[k])
-        for k, fallback in (("weight_decay", 0.0), ("lr_warmup", 0), ("lr_schedule", "constant")):
-            if getattr(self, k) is None:
-                setattr(self, k, d.get(k, fallback))
-        if self.target_accuracy is None and self.target_loss is None:  # a target given replaces the workload's
-            self.target_accuracy, self.target_loss = d.get("target_accuracy"), d.get("target_loss")
-        if self.steps is None:
-            if self.epochs is not None:
-                spe = workload.steps_per_epoch(self.workers, self.batch_size)
-                self.steps = max(1, round(self.epochs * spe))
-            else:
-                self.steps = d["steps"]
-        if self.name is None:
-            self.name = default_name(self)
-        return self
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def target_reached(self, ev: dict) -> bool:
-        """Whether an evaluation (``{"accuracy", "loss", ...}``) meets the run's target: the held-out
-        loss at or below ``target_loss`` when that is set, else accuracy at or above ``target_accuracy``."""
-        if self.target_loss is not None:
-            return ev["loss"] <= self.target_loss
-        return self.target_accuracy is not None and ev["accuracy"] >= self.target_accuracy
-
-    def target_text(self) -> str:
-        """The target in words, e.g. ``held-out loss <= 2.1`` or ``accuracy >= 0.95``."""
-        if self.target_loss is not None:
-            return f"held-out loss <= {self.target_loss:g}"
-        return "no target" if self.target_accuracy is None else f"accuracy >= {self.target_accuracy:g}"
-
-    @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-    def fingerprint(self) -> str:
-        """Hash of everything that determines the trajectory (not the step budget, name, network)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in _VOLATILE}
-        if not d["local_steps"]:  # runs without local steps keep the fingerprint they had before the field
-            del d["local_steps"]
-        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    @property
-    def is_torch_ddp(self) -> bool:
-        return self.reducer == "ddp" or self.reducer.startswith("ddp-")  # ddp-fp16, ddp-powersgd<rank>
-
-    def label(self) -> str:
-        if self.local_steps or self.reducer.startswith("ddp-localsgd"):
-            from ..localsteps.trainer import label
-
-            return label(self, self._label())
-        return self._label()
-
-    def _label(self) -> str:
-        if self.is_torch_ddp:
-            return "torch " + self.reducer
-        if self.reducer == "nocomm":
-            return "no-comm floor"
-        # reducer options too: two rows differing only there must not share a label
-        conv = "".join(f", {k}={v:g}" if isinstance(v, float) else f", {k}={v}"
-                       for k, v in sorted({**self.reducer_options, **self.convergence,
-                                           **_labelled(self.ddp_options),
-                                           **({"adam_freeze": self.adam_freeze} if self.adam_freeze else {})}.items()))
-        if self.reducer == "dense":
-            return f"dense ({self.merge}{conv})"
-        return f"{self.reducer} {self.density:g} ({self.merge}{conv})"
-
-
-def _labelled(ddp_options: dict) -> dict:
-    """The SparseDDP keywords that change what a run computes, for its label (delayed averaging)."""
-    return {k: v for k, v in ddp_options.items() if k == "delay" and v}
-
-
-def default_name(cfg: TrainConfig) -> str:
-    r = cfg.reducer if cfg.is_torch_ddp or cfg.reducer == "dense" else f"{cfg.reducer}-{cfg.density:g}"
-    if cfg.local_steps.get("sync_every"):
-        r = f"diloco{cfg.local_steps['sync_every']}-{r}"
-    return f"{cfg.workload}-{r}-{cfg.merge.replace(':', '')}-P{cfg.workers}-s{cfg.seed}"
+# private names of this module before it was split into parts
+_atomic_write, _VOLATILE = atomic_write, VOLATILE
 
 
 class RunDir:
@@ -432,7 +110,7 @@ class RunDir:
         old = self.read_config()
         if old is not None and old.fingerprint() != cfg.fingerprint():
             diff = sorted(k for k, v in cfg.to_dict().items()
-                          if k not in _VOLATILE and old.to_dict().get(k) != v)
+                          if k not in VOLATILE and old.to_dict().get(k) != v)
             raise CheckpointError(f"--resume: {self.path} was created with a different configuration "
                                   f"(differs in: {', '.join(diff)}); refusing to mix them")
         self.verify_checkpoint(step, cfg)
@@ -451,7 +129,7 @@ class RunDir:
     def write_config(self, cfg: TrainConfig) -> None:
         d = cfg.to_dict()
         d["fingerprint"] = cfg.fingerprint()
-        _atomic_write(self.path / "config.json", json.dumps(d, indent=2, sort_keys=True, default=str))
+        atomic_write(self.path / "config.json", json.dumps(d, indent=2, sort_keys=True, default=str))
 
     def read_config(self) -> TrainConfig | None:
         p = self.path / "config.json"
@@ -468,10 +146,10 @@ class RunDir:
     def truncate_metrics(self, step: int) -> None:
         """Keep the records of steps < ``step`` (the checkpoint was taken after ``step`` steps)."""
         keep = [m for m in self.metrics() if m.get("step", 0) < step]
-        _atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in keep))
+        atomic_write(self.path / "metrics.jsonl", "".join(json.dumps(m) + "\n" for m in keep))
 
     def write_summary(self, summary: dict) -> None:
-        _atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str))
+        atomic_write(self.path / "summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str))
 
     def summary(self) -> dict | None:
         p = self.path / "summary.json"
@@ -492,7 +170,7 @@ class RunDir:
 
     def mark_latest(self, step: int, keep: int = 0) -> None:
         """Make checkpoint ``step`` the one ``--resume`` uses; then keep only the newest ``keep``."""
-        _atomic_write(self.path / "checkpoints" / "latest", f"{step}\n")
+        atomic_write(self.path / "checkpoints" / "latest", f"{step}\n")
         if keep and keep > 0:
             for old in self.checkpoint_steps()[:-keep]:
                 if old != step:  # never the one ``latest`` names
@@ -590,17 +268,3 @@ def load_checkpoint(path: Path, cfg: TrainConfig, rank: int) -> dict:
     if bad:
         raise CheckpointError(f"checkpoint {path} is malformed (missing or wrong type: {', '.join(bad)})")
     return blob
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    except OSError as e:  # a write error names no file by itself (a full disk: which one?)
-        tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, e.strerror, str(path)) from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -1,0 +1,193 @@
+"""Process ranks: ``run_local(..., backend="gloo")``, one OS process per rank, watched until all report.
+
+Each rank process pins torch to one thread, enters its placement (e.g. a network namespace), meets
+the others through a ``FileStore`` in a temporary directory (no port to race for, and it works
+across network namespaces), runs ``fn``, meets them at a final barrier, ships its result or its
+exception to the launcher over a pipe and exits with ``os._exit`` (no atexit hook can hang). The
+launcher watches every pipe: the first error on any rank stops the others and is re-raised, with the
+culprit named (:mod:`.blame`); a stall past ``timeout`` without a :func:`progress` beat of any rank,
+or a run past ``time_limit``, is an error too. Never a hang.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import shutil
+import signal
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .blame import blame_dead, blame_stopped, blame_stuck, how_died, reported_cause, stall_grace
+from .failures import RankFailed, is_connection_error, name_rank
+from .orphans import REAPERS, become_rank, rank_process_name, signals_stop_ranks, stop_reaper, watch_parent
+
+__all__ = ["STORE_PREFIX", "pick_start_method", "progress", "run_processes"]
+
+STORE_PREFIX = "sparsync-store-"
+
+
+class _Heartbeat:
+    """This rank process's slot in the launcher's shared array of last-progress times (None elsewhere)."""
+
+    slot = None  # (shared array, rank)
+
+    def beat(self) -> None:
+        if self.slot is not None:
+            self.slot[0][self.slot[1]] = time.monotonic()
+
+
+_HEARTBEAT = _Heartbeat()  # one per process: a rank process of run_local is one rank
+
+
+def progress() -> None:
+    """Tell the launcher this rank made progress (the training loop calls it once per step): the
+    stall timeout of :func:`run_local` counts from the latest beat of any rank. A no-op outside a
+    process rank of ``run_local``."""
+    _HEARTBEAT.beat()
+
+
+def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placement, parent_pid, forked, beats):
+    import torch.distributed as dist
+
+    from ..torchcomm import TorchComm
+
+    status = "ok"
+    try:
+        become_rank(parent_pid, rank, forked)
+        _HEARTBEAT.slot = (beats, rank)
+        torch.set_num_threads(1)
+        env = placement(rank) if placement else {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+        os.environ.update(env or {})
+        watch_parent(parent_pid)
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        comm = TorchComm()
+        result = fn(comm, *args, **kwargs)
+        dist.barrier()
+        payload = ("ok", result)
+    except BaseException as e:  # noqa: BLE001 - shipped to the parent
+        status = "error"
+        tb = traceback.format_exc()
+        try:
+            pickle.dumps(e)
+            exc = e
+        except Exception as why:  # noqa: BLE001 - an exception's __reduce__ may raise anything; ship its text
+            exc = RankFailed(f"{type(e).__name__}: {e} (the exception itself could not be pickled: "
+                             f"{type(why).__name__}: {why})")
+        payload = ("error", (exc, tb))
+    try:
+        buf = io.BytesIO()
+        torch.save(payload, buf)
+        conn.send_bytes(buf.getvalue())
+    except BaseException:  # noqa: BLE001
+        status = "error"
+    finally:
+        conn.close()
+    os._exit(0 if status == "ok" else 1)
+
+
+def pick_start_method(requested):
+    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here: a forked child cannot
+    use it then, so ``spawn``. Only torch's flag is read: ``torch.cuda.is_available()`` asks the
+    driver, after which no forked child can use CUDA either (torch refuses: "Cannot re-initialize
+    CUDA in forked subprocess") - a caller that did so and whose ranks use CUDA passes
+    ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before asking."""
+    if requested:
+        return requested
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None) -> list:
+    """``fn(comm, *args, **kwargs)`` on ``world_size`` process ranks; the results in rank order."""
+    ctx = mp.get_context(pick_start_method(start_method))
+    tmp = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
+    store_path = os.path.join(tmp, "store")
+    procs, conns = [], []
+    reaper = None
+    beats = ctx.RawArray("d", world_size)  # each rank's latest progress() (time.monotonic, system-wide)
+    with signals_stop_ranks():
+        try:
+            reaper = REAPERS.start_for_run(tmp)
+            # a forked rank inherits the reapers' pipes and must close them; a spawned one does not
+            forked = ctx.get_start_method() == "fork"
+            for r in range(world_size):
+                parent_end, child_end = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, name=rank_process_name(os.getpid(), r),
+                                args=(r, world_size, store_path, child_end, fn, args, kwargs, timeout, placement,
+                                      os.getpid(), forked, beats))
+                p.daemon = True
+                p.start()
+                child_end.close()
+                procs.append(p)
+                conns.append(parent_end)
+            return _collect(procs, conns, world_size, timeout, beats, time_limit)
+        finally:
+            _kill_all(procs)
+            for p in procs:
+                p.join(timeout=5)
+            shutil.rmtree(tmp, ignore_errors=True)
+            stop_reaper(reaper)
+
+
+def _collect(procs, conns, world_size, timeout, beats=None, time_limit=None):
+    results: list[Any] = [None] * world_size
+    pending = {c: r for r, c in enumerate(conns)}
+    start = time.monotonic()
+    while pending:
+        now = time.monotonic()
+        missing = sorted(pending.values())
+        if time_limit is not None and now - start > time_limit:
+            raise RankFailed(f"the run exceeded its time limit of {time_limit:g} s (--time-limit); ranks {missing} "
+                             f"of {world_size} were still running and were stopped")
+        last = max(start, max(beats)) if beats is not None else start
+        stall = timeout + stall_grace(timeout)
+        if now - last > stall:
+            blame_stopped(procs, world_size, None, f"no progress for {now - last:.0f} s")
+            raise RankFailed(f"no progress for {now - last:.0f} s (the stall timeout, --timeout {timeout:g}): ranks "
+                             f"{missing} of {world_size} were still running and were stopped")
+        left = min(last + stall, start + time_limit if time_limit is not None else float("inf")) - now
+        ready = mpc.wait(list(pending), timeout=max(0.01, min(left, 1.0)))
+        for c in ready:
+            r = pending.pop(c)
+            try:
+                data = c.recv_bytes()
+            except (EOFError, OSError):
+                procs[r].join(timeout=2)
+                raise RankFailed(f"rank {r} of {world_size} died without reporting ({how_died(procs[r])})") from None
+            # our own forked child's report (exception objects included): trusted, not a file
+            status, value = torch.load(io.BytesIO(data), weights_only=False)
+            if status == "error":
+                exc, tb = value
+                then = f"rank {r} then failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                blame_stopped(procs, world_size, r, then)
+                blame_stuck(procs, world_size, r, exc, pending, timeout)
+                if is_connection_error(exc):  # a peer that died makes the others lose their connections
+                    cause = reported_cause(pending)
+                    if cause is not None:
+                        _kill_all(procs)
+                        r, (exc, tb) = cause
+                        raise name_rank(exc, r, world_size, tb)
+                    blame_dead(procs, world_size, r, then)
+                _kill_all(procs)
+                raise name_rank(exc, r, world_size, tb)
+            results[r] = value
+    return results
+
+
+def _kill_all(procs):
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -1,0 +1,163 @@
+"""Who owns a run directory: one path component inside ``runs_dir``, a marker file, an advisory lock.
+
+A run name is one path component (:func:`check_run_name`: no ``/``, not ``.``, ``..`` or empty), so a
+run never lands outside ``runs_dir``. A run directory carries a marker file (``.sparsync-run``) from
+its creation on, and ``--force`` empties only a directory that has it (:func:`is_run`): never a
+directory sparsync did not make. Every writer holds an advisory lock (``fcntl.flock`` on
+``<run>/.lock``, :class:`RunLock`) from preparing the directory to the end of the run; a second writer
+(a second ``--resume``, a ``--force`` on a live run) gets :class:`~sparsync.train.errors.RunBusy`
+naming the holder's pid. ``--force`` empties the directory but keeps the lock file, so the lock stays
+one file for the directory's whole life. Small files are replaced whole (:func:`atomic_write`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+
+from .errors import RunBusy, RunExists
+
+__all__ = ["LOCK", "MARKER", "RUN_FORMAT", "RunLock", "atomic_write", "check_run_name", "is_run", "prepare_dir",
+           "run_job"]
+
+RUN_FORMAT = "sparsync-run/1"
+MARKER = ".sparsync-run"   # written when a run (or a comparison) directory is created
+LOCK = ".lock"             # the advisory lock file of a run directory (kept by --force)
+
+
+def check_run_name(name, what: str = "--name") -> str:
+    """``name`` if it is one path component (a directory name inside ``runs_dir``), else ValueError."""
+    bad = (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name
+           or bool(os.altsep and os.altsep in name))
+    if bad:
+        raise ValueError(f"{what} must be a single directory name inside the runs directory (no '/', not '.', "
+                         f"'..' or empty), got {name!r}")
+    return name
+
+
+def _marker(path: Path) -> dict | None:
+    try:
+        d = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) and d.get("format") == RUN_FORMAT else None
+
+
+def is_run(path, kind: str = "train") -> bool:
+    """Whether ``path`` is a directory sparsync made for a run (``kind="train"``) or a comparison
+    (``"compare"``): its marker file says so. Directories of older versions (no marker) count when
+    they hold what only sparsync writes: a train run's ``config.json`` with its fingerprint and
+    ``metrics.jsonl``, a comparison's ``comparison.json``. A symbolic link never counts."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir():
+        return False
+    m = _marker(path)
+    if m is not None:
+        return m.get("kind") == kind
+    if kind == "compare":
+        return (path / "comparison.json").is_file()
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and "fingerprint" in cfg and (path / "metrics.jsonl").is_file()
+
+
+def _clear(path: Path, keep: tuple[str, ...] = (LOCK,)) -> None:
+    """Remove everything inside ``path`` except the names in ``keep`` (links are removed, not followed)."""
+    for x in path.iterdir():
+        if x.name in keep:
+            continue
+        if x.is_dir() and not x.is_symlink():
+            shutil.rmtree(x)
+        else:
+            x.unlink()
+
+
+class RunLock:
+    """An exclusive advisory lock on a run directory: ``fcntl.flock`` on ``<dir>/.lock``, which holds
+    the owner's pid. The kernel drops it when the owner's last descriptor closes (a killed launcher
+    frees it at once). :meth:`acquire` raises :class:`RunBusy` naming the holder."""
+
+    def __init__(self, path, what: str = "run directory"):
+        self.path, self.what, self.fd = Path(path), what, None
+
+    def acquire(self) -> RunLock:
+        fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunBusy(f"{self.what} {self.path} is in use by another sparsync process (pid {holder}); "
+                          "wait for it to end, or pick another --name") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    close = release  # contextlib.closing
+
+
+def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str = "run directory") -> RunLock:
+    """Create (or, with ``force``, empty) the run or comparison directory ``path`` and lock it; returns
+    the held :class:`RunLock`. An existing non-empty directory is refused without ``force``, and
+    with it unless it :func:`is_run` of ``kind`` (nothing else is ever deleted); a locked one is
+    refused (:class:`RunBusy`). Writes the marker (``job``: the torchrun job that made it)."""
+    path = Path(path)
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise RunExists(f"{path} exists and is not a directory; pick another --name or --runs-dir")
+
+    def refuse_unless_ours():
+        if path.is_dir() and any(x.name != LOCK for x in path.iterdir()):
+            if not force:
+                raise RunExists(f"{what} {path} already exists; pass --force to overwrite it, "
+                                + ("--resume to continue it, " if kind == "train" else "")
+                                + "or --name to pick another name")
+            if not is_run(path, kind):
+                raise RunExists(f"{path} exists and is not a sparsync {'run' if kind == 'train' else 'comparison'} "
+                                "directory (no marker file); --force deletes only those - pick another --name")
+            return True
+        return False
+
+    refuse_unless_ours()  # before anything is created in a directory that is not ours
+    path.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(path, what).acquire()
+    try:
+        if refuse_unless_ours():  # again under the lock: another process may have written meanwhile
+            _clear(path)
+        atomic_write(path / MARKER, json.dumps({"format": RUN_FORMAT, "kind": kind, "job": job}))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def run_job(path) -> str | None:
+    """The torchrun job recorded in a run directory's marker (None: none, or no marker)."""
+    m = _marker(Path(path))
+    return m.get("job") if m else None
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temp file and a rename: readers see the old file or the new one,
+    never a part; a failed write removes the temp file and raises ``OSError`` naming ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:  # a write error names no file by itself (a full disk: which one?)
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
