@@ -78,6 +78,7 @@ class DDPHook:
         self.density = density
         self.options = options
         self.asynchronous = bool(asynchronous)
+        self._staged = bool(load_all().lookup(reducer).staged)
         self.comm = None
         self.module = module
         self._pindex = None
@@ -162,45 +163,78 @@ class DDPHook:
 
     def __call__(self, state, bucket):
         comm = self._comm_for(state)
+        try:
+            sums = self._post(comm, bucket)
+        except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+            sums = torch.futures.Future()
+            sums.set_exception(e)
+        buf = bucket.buffer()
+
+        def write(f):  # bucket := sum over ranks / P, one pass (an error of f re-raises here)
+            torch.div(f.value().reshape(buf.shape), comm.world_size, out=buf)
+            return buf
+
+        return sums.then(write)
+
+    def _post(self, comm, bucket) -> torch.futures.Future:
+        """Start the bucket's reduction: a future of its sum over ranks (flat). Staged reducer: the
+        local work now and the collective posted ``async_op`` (:meth:`Reducer.start`); otherwise the
+        whole reduction on the FIFO thread (asynchronous) or now (synchronous)."""
+        if self.asynchronous and self._staged:
+            idx, layout = int(bucket.index()), self._layout(bucket)
+            if self._saved_parts(idx, layout) is None:
+                buf = bucket.buffer()
+                r = self._reducer(idx, buf.numel(), layout)
+                started = r.start(_flat(buf))
+                self._finish_bucket(bucket)
+
+                def stats(f):
+                    out = f.value()
+                    self.last_stats[idx] = dict(r.stats)
+                    return out
+
+                return started.then(stats)
         fut = torch.futures.Future()
 
         def job():
             try:
-                fut.set_result(self._reduce_bucket(comm, bucket))
-            except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+                fut.set_result(self._sum_bucket(comm, bucket))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the hook's future
                 fut.set_exception(e)
 
-        if not self.asynchronous:
+        if not self.asynchronous or self._staged:  # staged: a resume's first bucket in parts, in order
             job()
-            return fut
-        if self._worker is None:
-            self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
-        self._worker.submit(job)
+        else:
+            if self._worker is None:
+                self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
+            self._worker.submit(job)
         return fut
 
-    def _reduce_bucket(self, comm, bucket):
-        """Reduce one bucket in place: ``bucket.buffer() := sum over ranks / P`` (one write pass)."""
+    def _reducer(self, idx, numel, layout):
+        """The reducer of bucket ``idx``; a new one when the bucket's layout or size changed."""
+        r = self.reducers.get(idx)
+        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != numel):
+            if r is not None and self._pending is None and layout is not None:
+                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
+            r = self._new_reducer(idx, numel, layout)
+            self.reducers[idx] = r
+            self.layouts[idx] = layout
+        return r
+
+    def _sum_bucket(self, comm, bucket):
+        """One bucket's sum over ranks, flat, reduced here and now (blocking collectives)."""
         buf = bucket.buffer()
         idx = int(bucket.index())
         layout = self._layout(bucket)
         parts = self._saved_parts(idx, layout)
         if parts is not None:
-            self._reduce_saved_parts(comm, buf, layout, parts)
-            self._finish_bucket(bucket)
-            return buf
-        r = self.reducers.get(idx)
-        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
-            if r is not None and self._pending is None and layout is not None:
-                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
-            r = self._new_reducer(idx, buf.numel(), layout)
-            self.reducers[idx] = r
-            self.layouts[idx] = layout
-        flat = buf.reshape(-1)
-        out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
-        torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
-        self.last_stats[idx] = dict(r.stats)
+            out = self._sum_saved_parts(buf, layout, parts)
+        else:
+            r = self._reducer(idx, buf.numel(), layout)
+            out = r.reduce(_flat(buf))
+            self.last_stats[idx] = dict(r.stats)
         self._finish_bucket(bucket)
-        return buf
+        return out
 
     def _finish_bucket(self, bucket):
         if bucket.is_last():
@@ -224,23 +258,20 @@ class DDPHook:
             return None
         return [(i, saved[i]) for i in parts]
 
-    def _reduce_saved_parts(self, comm, buf, layout, parts):
+    def _sum_saved_parts(self, buf, layout, parts):
         sizes = self._param_sizes()
         offsets, off = {}, 0
         for j in layout:
             offsets[j] = off
             off += sizes[j]
         flat = buf.reshape(-1)
+        sums = torch.empty_like(flat)
         for i, lay in parts:
             index = torch.cat([torch.arange(offsets[j], offsets[j] + sizes[j], device=flat.device) for j in lay])
-            r = self.reducers.get(i)
-            if r is None or self.layouts.get(i) != lay:
-                r = self._new_reducer(i, index.numel(), lay)
-                self.reducers[i], self.layouts[i] = r, lay
-            x = flat[index]
-            out = r.reduce(x if x.dtype.is_floating_point else x.float())
-            flat[index] = (out / comm.world_size).to(flat.dtype)
+            r = self._reducer(i, index.numel(), lay)
+            sums[index] = r.reduce(_flat(flat[index])).to(sums.dtype)
             self.last_stats[i] = dict(r.stats)
+        return sums
 
     def _param_sizes(self):
         return [p.numel() for p in self.module.parameters()] if self.module is not None else None
@@ -300,6 +331,12 @@ class DDPHook:
             return
         self._pending = {"buckets": dict(d["buckets"]), "per_param": dict(d.get("per_param") or {}),
                          "step": int(d.get("step", 0))}
+
+
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    """A bucket as a reducer's input: 1-D, floating point."""
+    flat = buf.reshape(-1)
+    return flat if flat.dtype.is_floating_point else flat.float()
 
 
 def own_group(group=None):

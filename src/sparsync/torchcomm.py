@@ -177,6 +177,12 @@ class TorchComm(Comm):
         self._post_pieces(t, op)
 
     def _post_pieces(self, out, op, copy_from=None):
+        for w in self._piece_works(out, op, copy_from):
+            w.wait()
+
+    def _piece_works(self, out, op, copy_from=None) -> list:
+        """Post :data:`COPY_PIPELINE` all-reduces of ``out``'s pieces (each piece copied from
+        ``copy_from`` first when given); their works, not waited for."""
         n = out.numel()
         bounds = [n * i // COPY_PIPELINE for i in range(COPY_PIPELINE + 1)]
         works = []
@@ -184,8 +190,27 @@ class TorchComm(Comm):
             if copy_from is not None:
                 out[s:e].copy_(copy_from[s:e])
             works.append(dist.all_reduce(out[s:e], op=_OPS[op], group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+        return works
+
+    def _allreduce_async(self, t, out, op, pieces):
+        """The all-reduce of :meth:`Comm.allreduce_async`, posted ``async_op`` on this group in the
+        pieces :meth:`Comm.allreduce` uses for the same arguments (so the same bits); the future is
+        the works' futures chained with ``then``, as torch's ``allreduce_hook`` does. Its value is
+        ``out``; a failed piece sets its error."""
+        if t.device.type == "cpu" and t.numel() >= COPY_PIPELINE_MIN and (pieces or out is not t):
+            works = self._piece_works(out, op, copy_from=None if out is t else t)
+        else:
+            if out is not t:
+                out.copy_(t)
+            works = [dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)]
+        futs = [w.get_future() for w in works]
+
+        def done(f):
+            for x in (f.value() if len(futs) > 1 else [f]):
+                x.value()  # raises a piece's error
+            return out
+
+        return (futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)).then(done)
 
     def _allgather_into(self, t, out):
         _allgather_single(out, t, group=self.group)
