@@ -5,7 +5,8 @@ primitives underneath (:class:`sparsync.threadcomm.ThreadComm`: ranks as threads
 alpha-beta clock; :class:`sparsync.torchcomm.TorchComm`: a real ``torch.distributed`` group).
 All accounting happens here, in the base class, so both backends record identical ledgers.
 
-Cost accounting (the alpha-beta model ``x*alpha + y*beta`` of ``spec/README.md`` §2):
+Cost accounting (the alpha-beta model ``x*alpha + y*beta``: ``x`` sequential message rounds, ``y``
+bytes; Hockney, "The communication challenge for MPP", Parallel Computing 20, 1994):
 
 * point-to-point batch (``send``, ``recv``, ``sendrecv``, ``exchange``, ``post``): one message per
   payload; ``rounds += max(#sends, #recvs)`` (every message posted pays one alpha at its sender, so a
@@ -411,9 +412,9 @@ class Comm(ABC):
         one batch of direct sends and receives (:meth:`_allgather_direct`) instead of a ring: the
         same ledger as :meth:`allgather` (``P - 1`` rounds, messages and ``(P - 1) * nbytes`` each
         way) and the same result; no size check (a rank with another size is a protocol error of
-        the caller). For small, latency-bound gathers (histograms, counts): on the emulated
-        1 Gbit/s cluster with 4 ranks, up to 100 kB took 0.60-0.69x the ring's time (``sparsync
-        bench gather-routes``; larger messages are slower direct, see ``torchcomm.DIRECT_GATHER_MAX``)."""
+        the caller). For small, latency-bound gathers (histograms, counts): one batch of messages
+        instead of ``P - 1`` dependent ring steps (larger messages are slower direct, see
+        ``torchcomm.DIRECT_GATHER_MAX``; ``sparsync bench gather-routes`` measures both)."""
         t = _as_1d(t, "allgather_direct")
         out = self._allgather_direct(t)  # a virtual clock is charged per message by _post
         self._record(self._ring_cost(1, (self.world_size - 1) * _nbytes(t)))

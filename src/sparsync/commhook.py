@@ -1,8 +1,9 @@
 """The torch DDP comm hook: a sparsync reducer on ``DistributedDataParallel``'s buckets.
 
 ``model.register_comm_hook(None, ss.ddp_hook("micro", density=0.01, module=model))`` - see
-:class:`DDPHook` for the contract (asynchronous FIFO reduction, its own process group, per-parameter
-residuals across DDP's bucket rebuild, per-rank state and its gathered form for single-writer
+:class:`DDPHook` for the contract (futures chained with ``then``: a one-collective reducer posted
+``async_op``, the others on a FIFO communication thread; its own process group; per-parameter
+residuals across DDP's bucket rebuild; per-rank state and its gathered form for single-writer
 checkpoints). Also importable as ``sparsync.ddp_hook`` / ``sparsync.DDPHook`` / ``sparsync.ddp.*``.
 """
 
@@ -30,17 +31,30 @@ class DDPHook:
     (``bucket.index()``).
 
     **Asynchronous** (default), like torch's ``allreduce_hook`` / ``powerSGD_hook``: the hook
-    returns at once a ``torch.futures.Future`` that completes when the bucket's reduction is done;
-    the reduction (error feedback, selection, the collectives, ``sum / P`` written into the
-    bucket) runs on one FIFO communication thread per hook, so DDP keeps computing backward and
-    launching later buckets meanwhile. DDP launches buckets in index order on every rank, and the
-    FIFO thread keeps that order, so every rank issues identical collectives in identical order and
-    the result stays bitwise identical across ranks (and bitwise equal to ``asynchronous=False``,
-    where the reduction runs inside the hook). The group is the hook's own because DDP itself
-    issues collectives on its group while the hook's thread runs: with
-    ``find_unused_parameters=True`` (the HF Trainer's default for a ``PreTrainedModel``) it
-    all-reduces the used-parameter map once the last bucket is launched, and two threads issuing
-    collectives on one group in a different order on different ranks deadlock.
+    returns at once a ``torch.futures.Future``, chained with ``then`` on the bucket's reduction, whose
+    callback writes ``sum / P`` into the bucket (one pass) and returns it; an error (bad input, a
+    failed or timed-out collective) is the future's exception, which DDP raises from ``backward``.
+    DDP keeps computing backward and launching later buckets meanwhile. Two paths, by what the
+    reducer declares (:attr:`~sparsync.reducers.base.Reducer.staged`):
+
+    * a **staged** reducer (one collective per step: ``dense``) does its local work in the hook call
+      and posts its all-reduce ``async_op=True`` on the hook's group
+      (:meth:`~sparsync.reducers.base.Reducer.start`, :meth:`~sparsync.comm.Comm.allreduce_async`):
+      the future is the work's future chained with ``then``, no thread involved;
+    * every other reducer makes several collectives, each depending on the one before (calibration,
+      index all-gather, value exchange). Posted from completion callbacks, one bucket's later stages
+      could be issued before or after another bucket's on different ranks, and gloo pairs collectives
+      by their order of issue on a group. Its whole reduction therefore runs on one FIFO
+      communication thread per hook, which completes the future that the ``then`` above chains.
+
+    DDP calls the hook for its buckets in index order on every rank; the staged path issues its
+    collective in that call and the FIFO thread keeps that order, so every rank issues identical
+    collectives in identical order: the result is bitwise identical across ranks, and bitwise equal
+    to ``asynchronous=False`` (the reduction inside the hook call), with the same ledger. The group
+    is the hook's own because DDP itself issues collectives on its group while the hook's
+    collectives are in flight: with ``find_unused_parameters=True`` (the HF Trainer's default for a
+    ``PreTrainedModel``) it all-reduces the used-parameter map once the last bucket is launched, and
+    two threads issuing collectives on one group in a different order on different ranks deadlock.
 
     **State**: ``hook.state_dict()`` is tensors and plain data (no process group, worker thread or
     module): ``torch.save(hook.state_dict(), f)``, then ``hook.load_state_dict(torch.load(f,
@@ -98,7 +112,7 @@ class DDPHook:
         self.load_state_dict(d["state"])
 
     def close(self) -> None:
-        """Stop the communication thread (a later call starts a new one)."""
+        """Stop the communication thread, if any (a later call starts a new one)."""
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -359,6 +373,7 @@ def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, asynchr
     """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
 
     ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
-    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook (no overlap).
+    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook call (no overlap;
+    the returned future is complete).
     """
     return DDPHook(reducer, density, module=module, asynchronous=asynchronous, **options)
