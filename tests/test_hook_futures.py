@@ -146,3 +146,48 @@ def test_start_equals_reduce_on_thread_ranks():
 def test_staged_is_declared():
     staged = {name for name, cls in load_all().items() if cls.staged}
     assert "dense" in staged and "topka" not in staged and "micro" not in staged
+
+
+def _resume(comm):
+    """Straight 6 steps vs 3 + save (``weights_only``) + 3 on a fresh DDP and hook: bitwise. The fresh
+    DDP's first iteration has its initial bucket layout, which the staged hook reduces in the saved
+    buckets' parts, in order, inline; its later iterations take the futures path again."""
+    import io
+
+    def run(model, hook, start, stop):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for s in range(start, stop):
+            opt.zero_grad()
+            model(_batch(comm.rank, s)).square().mean().backward()
+            with torch.no_grad():  # plain SGD without optimizer state: the parameters are the whole state
+                opt.step()
+
+    def fresh():
+        model = nn.parallel.DistributedDataParallel(_net(), bucket_cap_mb=0.002)
+        hook = ss.ddp_hook("dense", module=model)
+        model.register_comm_hook(None, hook)
+        return model, hook
+
+    straight, _ = fresh()
+    run(straight, None, 0, 6)
+    first, hook = fresh()
+    run(first, hook, 0, 3)
+    buf = io.BytesIO()
+    torch.save({"model": first.module.state_dict(), "hook": hook.state_dict()}, buf)
+    buf.seek(0)
+    blob = torch.load(buf, weights_only=True)
+    second, hook2 = fresh()
+    second.module.load_state_dict(blob["model"])
+    hook2.load_state_dict(blob["hook"])
+    in_parts, by_parts = [], hook2._sum_saved_parts
+    hook2._sum_saved_parts = lambda *a: in_parts.append(1) or by_parts(*a)  # count the inline part path
+    run(second, hook2, 3, 6)
+    return _flat(straight.module), _flat(second.module), len(in_parts) > 0, hook2._worker is None
+
+
+@pytest.mark.gloo
+def test_resume_through_saved_parts_is_bitwise():
+    for r, (straight, resumed, in_parts, no_thread) in enumerate(ss.run_local(_resume, 2, backend="gloo",
+                                                                               timeout=60)):
+        assert in_parts and no_thread
+        assert torch.equal(straight, resumed), f"rank {r}: the resumed run differs from the straight one"
