@@ -191,3 +191,29 @@ def test_resume_through_saved_parts_is_bitwise():
                                                                                timeout=60)):
         assert in_parts and no_thread
         assert torch.equal(straight, resumed), f"rank {r}: the resumed run differs from the straight one"
+
+
+def _half(comm):
+    grads = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for asynchronous in (True, False):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4)).to(dtype)
+            model = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.001)
+            hook = ss.ddp_hook("dense", module=model, asynchronous=asynchronous)
+            model.register_comm_hook(None, hook)
+            model(_batch(comm.rank, 0).to(dtype)).float().square().mean().backward()
+            grads[dtype, asynchronous] = _grads(net)
+    return grads
+
+
+@pytest.mark.gloo
+def test_half_precision_buckets_on_futures():
+    """DDP's buckets in the model's half-precision dtype: the staged path sums them as the synchronous one."""
+    res = ss.run_local(_half, 2, backend="gloo", timeout=60)
+    for r, grads in enumerate(res):
+        for dtype in (torch.float16, torch.bfloat16):
+            got = grads[dtype, True]
+            assert got.dtype == dtype and torch.equal(got, grads[dtype, False]), f"rank {r} {dtype}"
+            assert torch.equal(got, res[0][dtype, True]), f"rank {r} {dtype} differs from rank 0"
+            assert got.abs().sum() > 0
