@@ -15,6 +15,7 @@ from torch import nn
 
 import sparsync as ss
 from sparsync.reducers.registry import load_all, make_reducer
+from sparsync.torchcomm import TorchComm
 
 
 def _net(big=False):
@@ -107,6 +108,14 @@ def _failures(comm):
             model(x).square().mean().backward()
         except Exception as e:  # noqa: BLE001 - the test inspects it
             errors.append((s, type(e).__name__, str(e)))
+    # a pieced all-reduce (four works' futures collected) that no peer joins: the error of the combined future
+    lone = TorchComm(dist.new_group(timeout=datetime.timedelta(seconds=2)))
+    if comm.rank == 1:
+        t = torch.ones(1 << 21)
+        try:
+            lone.allreduce_async(t, out=t, pieces=True).wait()
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors.append(("pieces", type(e).__name__, str(e)))
     dist.barrier()
     return errors, hook._worker is None
 
@@ -116,7 +125,8 @@ def test_failure_comes_back_from_the_future():
     (e0, staged0), (e1, staged1) = ss.run_local(_failures, 2, backend="gloo", timeout=60)
     assert staged0 and staged1
     assert len(e0) == 1 and e0[0][0] == 1 and "non-finite gradient" in e0[0][2], e0
-    assert len(e1) == 1 and e1[0][0] == 1 and "timed out" in e1[0][2].lower(), e1
+    assert len(e1) == 2 and e1[0][0] == 1 and "timed out" in e1[0][2].lower(), e1
+    assert e1[1][0] == "pieces" and "timeout" in e1[1][2].lower(), e1
 
 
 # ---------------------------------------------------------------------- the staged interface on any Comm
