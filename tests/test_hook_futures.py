@@ -7,6 +7,7 @@ the future, not a hang. Real gloo process groups; the staged interface is also h
 from __future__ import annotations
 
 import datetime
+import re
 
 import pytest
 import torch
@@ -96,6 +97,7 @@ def _failures(comm):
     """Rank 0 feeds a NaN in step 1 (its reducer refuses before posting); rank 1's all-reduce, posted,
     then finds no peer and times out. Both must raise from backward (DDP waits on the hook's future)."""
     group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    lone = TorchComm(dist.new_group(timeout=datetime.timedelta(seconds=2)))  # every rank, before any error
     model = nn.parallel.DistributedDataParallel(_net())
     hook = ss.ddp_hook("dense", module=model)
     model.register_comm_hook(group, hook)
@@ -109,7 +111,6 @@ def _failures(comm):
         except Exception as e:  # noqa: BLE001 - the test inspects it
             errors.append((s, type(e).__name__, str(e)))
     # a pieced all-reduce (four works' futures collected) that no peer joins: the error of the combined future
-    lone = TorchComm(dist.new_group(timeout=datetime.timedelta(seconds=2)))
     if comm.rank == 1:
         t = torch.ones(1 << 21)
         try:
@@ -125,8 +126,8 @@ def test_failure_comes_back_from_the_future():
     (e0, staged0), (e1, staged1) = ss.run_local(_failures, 2, backend="gloo", timeout=60)
     assert staged0 and staged1
     assert len(e0) == 1 and e0[0][0] == 1 and "non-finite gradient" in e0[0][2], e0
-    assert len(e1) == 2 and e1[0][0] == 1 and "timed out" in e1[0][2].lower(), e1
-    assert e1[1][0] == "pieces" and "timeout" in e1[1][2].lower(), e1
+    assert len(e1) == 2 and e1[0][0] == 1 and re.search("timed? ?out", e1[0][2].lower()), e1  # gloo's wordings
+    assert e1[1][0] == "pieces" and re.search("timed? ?out", e1[1][2].lower()), e1
 
 
 # ---------------------------------------------------------------------- the staged interface on any Comm
