@@ -93,11 +93,9 @@ class Reducer:
     #: ``spardl``, the ``BufferedAccumulator`` reducers) or :meth:`check_finite`: :meth:`reduce` then
     #: makes no check pass of its own (``tests/test_faults_inputs.py`` holds every reducer to it)
     checks_input = False
-    #: True when a step's whole exchange is ONE collective that :meth:`start` posts without waiting
-    #: (``_start`` returns its ``torch.futures.Future``), like torch's DDP comm hooks: ``dense``.
-    #: A reducer whose later collectives depend on an earlier one's result stays False: posted from
-    #: completion callbacks, two buckets' stages could be issued in another order on another rank,
-    #: and gloo pairs collectives by their order of issue on a group.
+    #: True when a step's exchange is ONE collective that :meth:`start` posts without waiting (``dense``).
+    #: Several dependent collectives stay False: posted from completion callbacks, two buckets' stages
+    #: could be issued in another order on another rank, and gloo pairs collectives by issue order.
     staged = False
 
     def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", nonfinite: str = "error",
@@ -163,16 +161,11 @@ class Reducer:
         return out
 
     def start(self, grad: torch.Tensor) -> torch.futures.Future:
-        """:meth:`reduce` with its collective posted and not waited for (``staged`` reducers only).
-
-        The local work (validation, the input check, the copy) runs in this call and the ledger is
-        recorded here, as :meth:`reduce` records it; the returned ``torch.futures.Future``'s value
-        is what :meth:`reduce` returns, bit for bit (its exception: a failed collective). ``stats``
-        and ``step`` are updated when it completes. One call in flight per reducer: wait for the
-        future before the next call."""
+        """:meth:`reduce` with its one collective posted, not waited for (``staged`` reducers): local
+        work and the ledger now; a ``torch.futures.Future`` of :meth:`reduce`'s result, bit for bit (a
+        failed collective: its exception); ``stats`` and ``step`` when it completes. One call in flight."""
         if not self.staged:
-            raise TypeError(f"reducer {self.name!r} is not staged (its exchange is several dependent "
-                            "collectives): call reduce()")
+            raise TypeError(f"reducer {self.name!r} is not staged (several dependent collectives): call reduce()")
         grad, snap, t0 = self._begin(grad)
         with self.comm.phase(self.name):
             fut = self._start(grad)
@@ -249,8 +242,7 @@ class Reducer:
     def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _start(self, grad: torch.Tensor) -> torch.futures.Future:
-        """A ``staged`` reducer's :meth:`_reduce` with its one collective posted, not waited for."""
+    def _start(self, grad: torch.Tensor) -> torch.futures.Future:  # staged: _reduce, its collective posted
         raise NotImplementedError
 
     def _extra_state(self) -> dict:
