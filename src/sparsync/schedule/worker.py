@@ -1,12 +1,9 @@
 """One daemon thread per rank that runs closures in FIFO order: the communication thread.
 
-Used by :class:`~sparsync.schedule.engine.OverlapEngine` and by the asynchronous torch-DDP hook for
-reducers of several collectives (:class:`sparsync.commhook.DDPHook`). Every rank submits its
-collectives in the same order (plan order, or DDP's bucket order), and a single FIFO thread keeps
-that order while the caller's thread (the autograd engine) goes on computing: the overlap of
-communication with backward computation of MG-WFBP (Shi, Chu, Li, "MG-WFBP: Merging Gradients
-Wisely for Efficient Communication in Distributed Deep Learning", Algorithm 2: its communication
-thread reading a shared queue).
+Used by :class:`~sparsync.schedule.engine.OverlapEngine` and by the asynchronous torch-DDP hook
+(:class:`sparsync.ddp.DDPHook`). Every rank submits its collectives in the same order (plan order,
+or DDP's bucket order), and a single FIFO thread keeps that order while the caller's thread (the
+autograd engine) goes on computing: the overlap of ``spec/mgwfbp.md`` §5 (Algorithm 2).
 """
 
 from __future__ import annotations
