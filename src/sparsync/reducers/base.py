@@ -93,10 +93,6 @@ class Reducer:
     #: ``spardl``, the ``BufferedAccumulator`` reducers) or :meth:`check_finite`: :meth:`reduce` then
     #: makes no check pass of its own (``tests/test_faults_inputs.py`` holds every reducer to it)
     checks_input = False
-    #: True when a step's exchange is ONE collective that :meth:`start` posts without waiting (``dense``).
-    #: Several dependent collectives stay False: posted from completion callbacks, two buckets' stages
-    #: could be issued in another order on another rank, and gloo pairs collectives by issue order.
-    staged = False
 
     def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", nonfinite: str = "error",
                  **options):
@@ -159,6 +155,11 @@ class Reducer:
         self._sync()
         self._account(self.comm.ledger.since(snap), t0)
         return out
+
+    #: True when a step's exchange is ONE collective that :meth:`start` posts without waiting (``dense``).
+    #: Several dependent collectives stay False: posted from completion callbacks, two buckets' stages
+    #: could be issued in another order on another rank, and gloo pairs collectives by issue order.
+    staged = False
 
     def start(self, grad: torch.Tensor) -> torch.futures.Future:
         """:meth:`reduce` with its one collective posted, not waited for (``staged`` reducers): local
