@@ -5,7 +5,8 @@ primitives underneath (:class:`sparsync.threadcomm.ThreadComm`: ranks as threads
 alpha-beta clock; :class:`sparsync.torchcomm.TorchComm`: a real ``torch.distributed`` group).
 All accounting happens here, in the base class, so both backends record identical ledgers.
 
-Cost accounting (the alpha-beta model ``x*alpha + y*beta`` of ``spec/README.md`` §2):
+Cost accounting (the alpha-beta model ``x*alpha + y*beta``: ``x`` sequential message rounds, ``y``
+bytes; Hockney, "The communication challenge for MPP", Parallel Computing 20, 1994):
 
 * point-to-point batch (``send``, ``recv``, ``sendrecv``, ``exchange``, ``post``): one message per
   payload; ``rounds += max(#sends, #recvs)`` (every message posted pays one alpha at its sender, so a
@@ -411,9 +412,9 @@ class Comm(ABC):
         one batch of direct sends and receives (:meth:`_allgather_direct`) instead of a ring: the
         same ledger as :meth:`allgather` (``P - 1`` rounds, messages and ``(P - 1) * nbytes`` each
         way) and the same result; no size check (a rank with another size is a protocol error of
-        the caller). For small, latency-bound gathers (histograms, counts): on the emulated
-        1 Gbit/s cluster with 4 ranks, up to 100 kB took 0.60-0.69x the ring's time (``sparsync
-        bench gather-routes``; larger messages are slower direct, see ``torchcomm.DIRECT_GATHER_MAX``)."""
+        the caller). For small, latency-bound gathers (histograms, counts): one batch of messages
+        instead of ``P - 1`` dependent ring steps (larger messages are slower direct, see
+        ``torchcomm.DIRECT_GATHER_MAX``; ``sparsync bench gather-routes`` measures both)."""
         t = _as_1d(t, "allgather_direct")
         out = self._allgather_direct(t)  # a virtual clock is charged per message by _post
         self._record(self._ring_cost(1, (self.world_size - 1) * _nbytes(t)))
@@ -473,23 +474,54 @@ class Comm(ABC):
         ``pieces`` (in place only): the backend may reduce ``t`` as several all-reduces in flight at
         once (:meth:`_allreduce_pieces_`; the same bytes, and the same bits on every rank).
         """
-        if op not in ("sum", "max", "min"):
-            raise CommError(f"allreduce op must be sum, max or min, got {op!r}")
-        t = _as_1d(t, "allreduce")
+        t, out = self._allreduce_args(t, op, out)
+        self._allreduce_now(t, out, op, pieces)
+        self._record_allreduce(t)
+        return out
+
+    def allreduce_async(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None,
+                        pieces: bool = False) -> torch.futures.Future:
+        """:meth:`allreduce` posted without waiting: a ``torch.futures.Future`` whose value is the
+        result tensor (``out``), with the same bits as :meth:`allreduce` of the same arguments (the
+        same pieces) and the same ledger, recorded now. A failed collective sets the future's error.
+        ``t`` and ``out`` must stay untouched until it completes. Backends without asynchronous
+        collectives (:class:`~sparsync.threadcomm.ThreadComm`) reduce now and return a completed
+        future."""
+        t, out = self._allreduce_args(t, op, out)
+        fut = self._allreduce_async(t, out, op, pieces)
+        self._record_allreduce(t)
+        return fut
+
+    def _allreduce_async(self, t: torch.Tensor, out: torch.Tensor, op: str, pieces: bool) -> torch.futures.Future:
+        """Post the all-reduce of :meth:`allreduce_async`; here: reduce now, a completed future."""
+        self._allreduce_now(t, out, op, pieces)
+        fut = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
+    def _allreduce_now(self, t: torch.Tensor, out: torch.Tensor, op: str, pieces: bool) -> None:
         if out is t:
             (self._allreduce_pieces_ if pieces else self._allreduce_)(out, op)
         else:
-            if out is None:
-                out = torch.empty_like(t, memory_format=torch.contiguous_format)
-            elif out.shape != t.shape or out.dtype != t.dtype or not out.is_contiguous():
-                raise CommError(f"allreduce out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)}, "
-                                f"got {out.dtype} {tuple(out.shape)}")
             self._allreduce_into(t, out, op)
+
+    def _allreduce_args(self, t: torch.Tensor, op: str, out: torch.Tensor | None):
+        """(t, out) of an all-reduce, checked; a new output tensor when ``out`` is None."""
+        if op not in ("sum", "max", "min"):
+            raise CommError(f"allreduce op must be sum, max or min, got {op!r}")
+        t = _as_1d(t, "allreduce")
+        if out is None:
+            out = torch.empty_like(t, memory_format=torch.contiguous_format)
+        elif out is not t and (out.shape != t.shape or out.dtype != t.dtype or not out.is_contiguous()):
+            raise CommError(f"allreduce out must be a contiguous {t.dtype} tensor of shape {tuple(t.shape)}, "
+                            f"got {out.dtype} {tuple(out.shape)}")
+        return t, out
+
+    def _record_allreduce(self, t: torch.Tensor) -> None:
         P = self.world_size
         cost = self._ring_cost(2, 2 * (P - 1) * _nbytes(t) // P if P > 1 else 0)
         self._record(cost)
         self._charge_collective(cost)
-        return out
 
     def alltoallv(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Send ``parts[j]`` to rank j; returns the part every rank sent to this one (rank order)."""

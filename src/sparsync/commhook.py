@@ -1,8 +1,9 @@
 """The torch DDP comm hook: a sparsync reducer on ``DistributedDataParallel``'s buckets.
 
 ``model.register_comm_hook(None, ss.ddp_hook("micro", density=0.01, module=model))`` - see
-:class:`DDPHook` for the contract (asynchronous FIFO reduction, its own process group, per-parameter
-residuals across DDP's bucket rebuild, per-rank state and its gathered form for single-writer
+:class:`DDPHook` for the contract (futures chained with ``then``: a one-collective reducer posted
+``async_op``, the others on a FIFO communication thread; its own process group; per-parameter
+residuals across DDP's bucket rebuild; per-rank state and its gathered form for single-writer
 checkpoints). Also importable as ``sparsync.ddp_hook`` / ``sparsync.DDPHook`` / ``sparsync.ddp.*``.
 """
 
@@ -30,17 +31,30 @@ class DDPHook:
     (``bucket.index()``).
 
     **Asynchronous** (default), like torch's ``allreduce_hook`` / ``powerSGD_hook``: the hook
-    returns at once a ``torch.futures.Future`` that completes when the bucket's reduction is done;
-    the reduction (error feedback, selection, the collectives, ``sum / P`` written into the
-    bucket) runs on one FIFO communication thread per hook, so DDP keeps computing backward and
-    launching later buckets meanwhile. DDP launches buckets in index order on every rank, and the
-    FIFO thread keeps that order, so every rank issues identical collectives in identical order and
-    the result stays bitwise identical across ranks (and bitwise equal to ``asynchronous=False``,
-    where the reduction runs inside the hook). The group is the hook's own because DDP itself
-    issues collectives on its group while the hook's thread runs: with
-    ``find_unused_parameters=True`` (the HF Trainer's default for a ``PreTrainedModel``) it
-    all-reduces the used-parameter map once the last bucket is launched, and two threads issuing
-    collectives on one group in a different order on different ranks deadlock.
+    returns at once a ``torch.futures.Future``, chained with ``then`` on the bucket's reduction, whose
+    callback writes ``sum / P`` into the bucket (one pass) and returns it; an error (bad input, a
+    failed or timed-out collective) is the future's exception, which DDP raises from ``backward``.
+    DDP keeps computing backward and launching later buckets meanwhile. Two paths, by what the
+    reducer declares (:attr:`~sparsync.reducers.base.Reducer.staged`):
+
+    * a **staged** reducer (one collective per step: ``dense``) does its local work in the hook call
+      and posts its all-reduce ``async_op=True`` on the hook's group
+      (:meth:`~sparsync.reducers.base.Reducer.start`, :meth:`~sparsync.comm.Comm.allreduce_async`):
+      the future is the work's future chained with ``then``, no thread involved;
+    * every other reducer makes several collectives, each depending on the one before (calibration,
+      index all-gather, value exchange). Posted from completion callbacks, one bucket's later stages
+      could be issued before or after another bucket's on different ranks, and gloo pairs collectives
+      by their order of issue on a group. Its whole reduction therefore runs on one FIFO
+      communication thread per hook, which completes the future that the ``then`` above chains.
+
+    DDP calls the hook for its buckets in index order on every rank; the staged path issues its
+    collective in that call and the FIFO thread keeps that order, so every rank issues identical
+    collectives in identical order: the result is bitwise identical across ranks, and bitwise equal
+    to ``asynchronous=False`` (the reduction inside the hook call), with the same ledger. The group
+    is the hook's own because DDP itself issues collectives on its group while the hook's
+    collectives are in flight: with ``find_unused_parameters=True`` (the HF Trainer's default for a
+    ``PreTrainedModel``) it all-reduces the used-parameter map once the last bucket is launched, and
+    two threads issuing collectives on one group in a different order on different ranks deadlock.
 
     **State**: ``hook.state_dict()`` is tensors and plain data (no process group, worker thread or
     module): ``torch.save(hook.state_dict(), f)``, then ``hook.load_state_dict(torch.load(f,
@@ -78,6 +92,7 @@ class DDPHook:
         self.density = density
         self.options = options
         self.asynchronous = bool(asynchronous)
+        self._staged = bool(load_all().lookup(reducer).staged)
         self.comm = None
         self.module = module
         self._pindex = None
@@ -97,7 +112,7 @@ class DDPHook:
         self.load_state_dict(d["state"])
 
     def close(self) -> None:
-        """Stop the communication thread (a later call starts a new one)."""
+        """Stop the communication thread, if any (a later call starts a new one)."""
         if self._worker is not None:
             self._worker.close()
             self._worker = None
@@ -162,45 +177,78 @@ class DDPHook:
 
     def __call__(self, state, bucket):
         comm = self._comm_for(state)
+        try:
+            sums = self._post(comm, bucket)
+        except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+            sums = torch.futures.Future()
+            sums.set_exception(e)
+        buf = bucket.buffer()
+
+        def write(f):  # bucket := sum over ranks / P, one pass (an error of f re-raises here)
+            torch.div(f.value().reshape(buf.shape), comm.world_size, out=buf)
+            return buf
+
+        return sums.then(write)
+
+    def _post(self, comm, bucket) -> torch.futures.Future:
+        """Start the bucket's reduction: a future of its sum over ranks (flat). Staged reducer: the
+        local work now and the collective posted ``async_op`` (:meth:`Reducer.start`); otherwise the
+        whole reduction on the FIFO thread (asynchronous) or now (synchronous)."""
+        if self.asynchronous and self._staged:
+            idx, layout = int(bucket.index()), self._layout(bucket)
+            if self._saved_parts(idx, layout) is None:
+                buf = bucket.buffer()
+                r = self._reducer(idx, buf.numel(), layout)
+                started = r.start(_flat(buf))
+                self._finish_bucket(bucket)
+
+                def stats(f):
+                    out = f.value()
+                    self.last_stats[idx] = dict(r.stats)
+                    return out
+
+                return started.then(stats)
         fut = torch.futures.Future()
 
         def job():
             try:
-                fut.set_result(self._reduce_bucket(comm, bucket))
-            except BaseException as e:  # noqa: BLE001 - DDP re-raises it when it waits on the future
+                fut.set_result(self._sum_bucket(comm, bucket))
+            except BaseException as e:  # noqa: BLE001 - re-raised by the hook's future
                 fut.set_exception(e)
 
-        if not self.asynchronous:
+        if not self.asynchronous or self._staged:  # staged: a resume's first bucket in parts, in order
             job()
-            return fut
-        if self._worker is None:
-            self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
-        self._worker.submit(job)
+        else:
+            if self._worker is None:
+                self._worker = CommWorker(f"sparsync-hook-rank{comm.rank}")
+            self._worker.submit(job)
         return fut
 
-    def _reduce_bucket(self, comm, bucket):
-        """Reduce one bucket in place: ``bucket.buffer() := sum over ranks / P`` (one write pass)."""
+    def _reducer(self, idx, numel, layout):
+        """The reducer of bucket ``idx``; a new one when the bucket's layout or size changed."""
+        r = self.reducers.get(idx)
+        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != numel):
+            if r is not None and self._pending is None and layout is not None:
+                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
+            r = self._new_reducer(idx, numel, layout)
+            self.reducers[idx] = r
+            self.layouts[idx] = layout
+        return r
+
+    def _sum_bucket(self, comm, bucket):
+        """One bucket's sum over ranks, flat, reduced here and now (blocking collectives)."""
         buf = bucket.buffer()
         idx = int(bucket.index())
         layout = self._layout(bucket)
         parts = self._saved_parts(idx, layout)
         if parts is not None:
-            self._reduce_saved_parts(comm, buf, layout, parts)
-            self._finish_bucket(bucket)
-            return buf
-        r = self.reducers.get(idx)
-        if r is None or self.layouts.get(idx) != layout or (r.numel is not None and r.numel != buf.numel()):
-            if r is not None and self._pending is None and layout is not None:
-                self._pending = self.state_dict()  # carry residuals across DDP's bucket rebuild
-            r = self._new_reducer(idx, buf.numel(), layout)
-            self.reducers[idx] = r
-            self.layouts[idx] = layout
-        flat = buf.reshape(-1)
-        out = r.reduce(flat if flat.dtype.is_floating_point else flat.float())
-        torch.div(out.reshape(buf.shape), comm.world_size, out=buf)
-        self.last_stats[idx] = dict(r.stats)
+            out = self._sum_saved_parts(buf, layout, parts)
+        else:
+            r = self._reducer(idx, buf.numel(), layout)
+            out = r.reduce(_flat(buf))
+            self.last_stats[idx] = dict(r.stats)
         self._finish_bucket(bucket)
-        return buf
+        return out
 
     def _finish_bucket(self, bucket):
         if bucket.is_last():
@@ -224,23 +272,20 @@ class DDPHook:
             return None
         return [(i, saved[i]) for i in parts]
 
-    def _reduce_saved_parts(self, comm, buf, layout, parts):
+    def _sum_saved_parts(self, buf, layout, parts):
         sizes = self._param_sizes()
         offsets, off = {}, 0
         for j in layout:
             offsets[j] = off
             off += sizes[j]
         flat = buf.reshape(-1)
+        sums = torch.empty_like(flat)
         for i, lay in parts:
             index = torch.cat([torch.arange(offsets[j], offsets[j] + sizes[j], device=flat.device) for j in lay])
-            r = self.reducers.get(i)
-            if r is None or self.layouts.get(i) != lay:
-                r = self._new_reducer(i, index.numel(), lay)
-                self.reducers[i], self.layouts[i] = r, lay
-            x = flat[index]
-            out = r.reduce(x if x.dtype.is_floating_point else x.float())
-            flat[index] = (out / comm.world_size).to(flat.dtype)
+            r = self._reducer(i, index.numel(), lay)
+            sums[index] = r.reduce(_flat(flat[index])).to(sums.dtype)
             self.last_stats[i] = dict(r.stats)
+        return sums
 
     def _param_sizes(self):
         return [p.numel() for p in self.module.parameters()] if self.module is not None else None
@@ -302,6 +347,12 @@ class DDPHook:
                          "step": int(d.get("step", 0))}
 
 
+def _flat(buf: torch.Tensor) -> torch.Tensor:
+    """A bucket as a reducer's input: 1-D, floating point."""
+    flat = buf.reshape(-1)
+    return flat if flat.dtype.is_floating_point else flat.float()
+
+
 def own_group(group=None):
     """A new process group with the ranks and backend of ``group`` (None: the default group).
     Every rank of the default group must call it in the same order (every member of ``group`` when
@@ -322,6 +373,7 @@ def ddp_hook(reducer: str = "dense", density: float = 0.01, module=None, asynchr
     """A torch DDP comm hook running ``reducer`` on every bucket (see :class:`DDPHook`).
 
     ``module``: the DDP model (or its module), so residuals follow parameters across DDP's bucket
-    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook (no overlap).
+    rebuild and across a resume. ``asynchronous=False`` reduces inside the hook call (no overlap;
+    the returned future is complete).
     """
     return DDPHook(reducer, density, module=module, asynchronous=asynchronous, **options)

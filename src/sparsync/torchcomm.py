@@ -4,7 +4,7 @@ Every buffer (including size headers) is allocated on ``self.device``: gloo with
 with CUDA tensors (``TorchComm(device="cuda")``: several ranks may share one GPU), or NCCL with CUDA
 tensors (one GPU per rank: NCCL refuses two ranks on one device).
 
-Gloo and CUDA tensors (seen with torch 2.11 on one H100, 2 and 3 ranks, ``tools/gpu_probe.py``):
+Gloo and CUDA tensors (as of torch 2.11):
 its collectives take CUDA tensors (all-reduce, all-gather, all-gather into one tensor, broadcast,
 all-to-all, sparse all-reduce, barrier: they copy through the host themselves), but point-to-point
 ``send`` / ``recv`` hand the device pointer to the socket (``writev``: "Bad address", and the rank
@@ -25,18 +25,15 @@ __all__ = ["TorchComm"]
 # torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-#: pieces of a copy-then-all-reduce (``TorchComm._allreduce_into``; 2, 4 and 8 measured the same within
-#: noise at n = 1e7, P = 4), and the smallest tensor that is cut (1 Mi elements: below it the copy is
-#: under a millisecond and each extra all-reduce costs its ring's latency)
+#: pieces of a copy-then-all-reduce (``TorchComm._allreduce_into``; 2, 4 and 8 pieces run alike), and
+#: the smallest tensor that is cut (1 Mi elements: below it the copy is short and each extra
+#: all-reduce costs its ring's latency)
 COPY_PIPELINE, COPY_PIPELINE_MIN = 4, 1 << 20
 #: the largest message (bytes) an equal-size all-gather on CPU with ``P >= 3`` sends directly to every
-#: peer at once instead of around gloo's ring (``TorchComm._allgather_equal``). Measured on the
-#: emulated 1 Gbit/s cluster (``sparsync bench gather-routes``, median of the slowest rank, the two
-#: alternated; direct / ring): P = 4: 8 B 0.60, 10 kB 0.67, 100 kB 0.69, 200 kB 1.14, 300 kB 1.21,
-#: 800 kB 1.40 (the ``P - 1`` simultaneous large flows queue at the shaped link); P = 8: 0.55-0.81
-#: up to 100 kB, 0.84-0.92 at 200-300 kB, 1.13-1.17 above; an earlier run at P = 4 put 200 kB at
-#: 0.78, so the cut sits below it. At P = 2 the ring is one exchange too: nothing to gain (0.75-2.4,
-#: noise), so the collective stays.
+#: peer at once instead of around gloo's ring (``TorchComm._allgather_equal``): latency-bound small
+#: messages gain (one batch instead of ``P - 1`` dependent ring steps), large ones lose (the ``P - 1``
+#: simultaneous flows queue at the sender's link); ``sparsync bench gather-routes`` measures where the
+#: two cross on a given network. At P = 2 the ring is one exchange too, so the collective stays.
 DIRECT_GATHER_MAX = 128 * 1024
 
 
@@ -81,7 +78,7 @@ class TorchComm(Comm):
         """Post every send, then every receive, at once. Where the backend does not coalesce
         point-to-point operations (gloo), ``batch_isend_irecv`` posts them one by one through
         ``isend`` / ``irecv``, whose argument handling (group lookups, rank translation, checks)
-        cost ~80 us of profiled CPU per message here, 24 messages per MiCRO reduce: the process group's
+        costs CPU time per message, and a sparse reducer sends dozens per step: the process group's
         own ``send`` / ``recv`` post the same operations, in the same order, directly (group ranks,
         tag 0). Coalescing backends (NCCL) keep ``batch_isend_irecv``. Gloo with CUDA tensors: staged
         through the host (module docstring); a receive's ``wait`` returns it on ``self.device``."""
@@ -157,8 +154,7 @@ class TorchComm(Comm):
         its first piece. Every piece is an ordinary all-reduce, so every rank gets the same bits
         (they may differ in the last place from one all-reduce of the whole tensor: the order in
         which gloo adds the ``P`` contributions can depend on where an element lies in the buffer).
-        Measured in docs/benchmarks.md (dense reducer vs a bare all-reduce): the unpiped copy cost
-        ~4 % of a 1e7-element all-reduce on the emulated 1 Gbit/s cluster. CPU tensors of at least
+        CPU tensors of at least
         ``COPY_PIPELINE_MIN`` elements only (on CUDA the copy is a fraction of a millisecond). The
         ledger records one all-reduce (:meth:`Comm.allreduce`): the same bytes; the pieces' rounds
         overlap, so they are not counted again."""
@@ -169,14 +165,18 @@ class TorchComm(Comm):
     def _allreduce_pieces_(self, t, op):
         """In place, as :data:`COPY_PIPELINE` all-reduces posted at once (CPU tensors of at least
         ``COPY_PIPELINE_MIN`` elements; one all-reduce otherwise): what the dense reducer runs after
-        its checked copy. Measured interleaved call by call with one all-reduce of the whole buffer
-        (docs/benchmarks.md, issue 11, sixth session): P = 4, 1e7: 527.4 vs 533.9 ms; P = 8, 25.6M:
-        1742 vs 1787 ms (the bare in-place all-reduce: 518.7 and 1683 ms)."""
+        its checked copy (as fast as one all-reduce of the whole buffer, or slightly faster)."""
         if t.device.type != "cpu" or t.numel() < COPY_PIPELINE_MIN:
             return self._allreduce_(t, op)
         self._post_pieces(t, op)
 
     def _post_pieces(self, out, op, copy_from=None):
+        for w in self._piece_works(out, op, copy_from):
+            w.wait()
+
+    def _piece_works(self, out, op, copy_from=None) -> list:
+        """Post :data:`COPY_PIPELINE` all-reduces of ``out``'s pieces (each piece copied from
+        ``copy_from`` first when given); their works, not waited for."""
         n = out.numel()
         bounds = [n * i // COPY_PIPELINE for i in range(COPY_PIPELINE + 1)]
         works = []
@@ -184,8 +184,27 @@ class TorchComm(Comm):
             if copy_from is not None:
                 out[s:e].copy_(copy_from[s:e])
             works.append(dist.all_reduce(out[s:e], op=_OPS[op], group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+        return works
+
+    def _allreduce_async(self, t, out, op, pieces):
+        """The all-reduce of :meth:`Comm.allreduce_async`, posted ``async_op`` on this group in the
+        pieces :meth:`Comm.allreduce` uses for the same arguments (so the same bits); the future is
+        the works' futures chained with ``then``, as torch's ``allreduce_hook`` does. Its value is
+        ``out``; a failed piece sets its error."""
+        if t.device.type == "cpu" and t.numel() >= COPY_PIPELINE_MIN and (pieces or out is not t):
+            works = self._piece_works(out, op, copy_from=None if out is t else t)
+        else:
+            if out is not t:
+                out.copy_(t)
+            works = [dist.all_reduce(out, op=_OPS[op], group=self.group, async_op=True)]
+        futs = [w.get_future() for w in works]
+
+        def done(f):
+            for x in (f.value() if len(futs) > 1 else [f]):
+                x.value()  # raises a piece's error
+            return out
+
+        return (futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)).then(done)
 
     def _allgather_into(self, t, out):
         _allgather_single(out, t, group=self.group)

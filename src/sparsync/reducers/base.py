@@ -147,18 +147,51 @@ class Reducer:
         ``indexed_output`` is True returns it as an :class:`IndexedSum` (its non-zeros only), so the
         caller can write it without a pass over the dense vector (``SparseDDP`` does); every other
         reducer returns the dense tensor either way."""
-        grad = self._validate(grad)
-        if not self.checks_input:
-            self.check_finite(grad)
-        self.stats = {"select_s": 0.0, "comm_s": 0.0}
-        snap = self.comm.ledger.snapshot()
-        t0 = time.perf_counter()
+        grad, snap, t0 = self._begin(grad)
         with self.comm.phase(self.name):
             out = self._reduce(grad)
             if isinstance(out, IndexedSum) and not indexed:
                 out = self._densify(out)
         self._sync()
+        self._account(self.comm.ledger.since(snap), t0)
+        return out
+
+    #: True when a step's exchange is ONE collective that :meth:`start` posts without waiting (``dense``).
+    #: Several dependent collectives stay False: posted from completion callbacks, two buckets' stages
+    #: could be issued in another order on another rank, and gloo pairs collectives by issue order.
+    staged = False
+
+    def start(self, grad: torch.Tensor) -> torch.futures.Future:
+        """:meth:`reduce` with its one collective posted, not waited for (``staged`` reducers): local
+        work and the ledger now; a ``torch.futures.Future`` of :meth:`reduce`'s result, bit for bit (a
+        failed collective: its exception); ``stats`` and ``step`` when it completes. One call in flight."""
+        if not self.staged:
+            raise TypeError(f"reducer {self.name!r} is not staged (several dependent collectives): call reduce()")
+        grad, snap, t0 = self._begin(grad)
+        with self.comm.phase(self.name):
+            fut = self._start(grad)
         cost = self.comm.ledger.since(snap)
+        posted = time.perf_counter()
+
+        def done(f):
+            out = f.value()
+            self._sync()
+            self.stats["comm_s"] = self.stats.get("comm_s", 0.0) + time.perf_counter() - posted
+            self._account(cost, t0)
+            return out
+
+        return fut.then(done)
+
+    def _begin(self, grad: torch.Tensor):
+        """The opening of :meth:`reduce` / :meth:`start`: ``(grad checked, ledger snapshot, start time)``."""
+        grad = self._validate(grad)
+        if not self.checks_input:
+            self.check_finite(grad)
+        self.stats = {"select_s": 0.0, "comm_s": 0.0}
+        return grad, self.comm.ledger.snapshot(), time.perf_counter()
+
+    def _account(self, cost: dict, t0: float) -> None:
+        """The close of :meth:`reduce` / :meth:`start`: ``stats`` from this call's ledger ``cost``; step + 1."""
         selected = self.stats.get("selected", self.numel)
         self.stats.update(
             selected=int(selected),
@@ -171,7 +204,6 @@ class Reducer:
             total_s=time.perf_counter() - t0,
         )
         self.step += 1
-        return out
 
     def state_dict(self) -> dict:
         """Everything needed to resume bitwise: residual, step, and the method's own state."""
@@ -209,6 +241,9 @@ class Reducer:
 
     # ------------------------------------------------------------------ for subclasses
     def _reduce(self, grad: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _start(self, grad: torch.Tensor) -> torch.futures.Future:  # staged: _reduce, its collective posted
         raise NotImplementedError
 
     def _extra_state(self) -> dict:

@@ -32,18 +32,27 @@ class DenseReducer(Reducer):
         super().__init__(comm, density=density, **rest)
         self.inplace = bool(inplace)
 
+    staged = True  # one all-reduce: :meth:`_start` posts it and returns its future
+
     def _reduce(self, grad):
         with self.timed("comm"):
-            if self.inplace:  # the caller donates its gradient buffer: no copy at all
-                self.check_finite(grad)
-                return self.comm.allreduce(grad, out=grad)
-            out = self.output_buffer(grad.numel(), grad.dtype, grad.device)
-            if self.nonfinite == "ignore":  # nothing to check: the copy runs in pieces behind the wire
-                return self.comm.allreduce(grad, out=out)
-            # the check must see all of grad before anything is sent: copy and check in one pass,
-            # then reduce in place (one pass where the copy behind the wire needed a check pass too)
-            self.sum_checked(out, grad, None)
-            return self.comm.allreduce(out, out=out, pieces=True)
+            return self._exchange(grad, self.comm.allreduce)
+
+    def _start(self, grad):
+        return self._exchange(grad, self.comm.allreduce_async)
+
+    def _exchange(self, grad, allreduce):
+        """The step, with ``allreduce`` = ``Comm.allreduce`` (the sum) or ``Comm.allreduce_async`` (its future)."""
+        if self.inplace:  # the caller donates its gradient buffer: no copy at all
+            self.check_finite(grad)
+            return allreduce(grad, out=grad)
+        out = self.output_buffer(grad.numel(), grad.dtype, grad.device)
+        if self.nonfinite == "ignore":  # nothing to check: the copy runs in pieces behind the wire
+            return allreduce(grad, out=out)
+        # the check must see all of grad before anything is sent: copy and check in one pass,
+        # then reduce in place (one pass where the copy behind the wire needed a check pass too)
+        self.sum_checked(out, grad, None)
+        return allreduce(out, out=out, pieces=True)
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, **_):
