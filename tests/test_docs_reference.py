@@ -31,10 +31,7 @@ NOT_YET_CLEANED = (
     "schedule/",
     "convergence.py",
     "select/calibration.py",
-    "commhook.py",
     "ddp.py",
-    "comm.py",
-    "torchcomm.py",
 )
 
 ISSUE = re.compile(r"\bissues? #?\d+", re.IGNORECASE)
