@@ -31,29 +31,27 @@ import torch
 from ..select.topk import topk_abs
 from ..sparse import index_dtype_for, set_at
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
 @register("cltk")
-class CLTKReducer(BufferedAccumulator, Reducer):
+class CLTKReducer(Reducer):
     conserving = True
+    accepts_fold = True
+    checks_input = True
     supports_value_dtype = True  # values summed in half precision by the all-reduce: not conserving then
     value_dtype_conserving = False
 
     def __init__(self, comm, density: float = 0.01, reuse_buffers: bool = True, **rest):
+        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
-        self.reuse_buffers = bool(reuse_buffers)
-
-    def _load_extra_state(self, d: dict) -> None:
-        self._forget_buffers()
 
     def _reduce(self, grad):
         comm, k = self.comm, self.k
         leader = self.step % comm.world_size
         itype = index_dtype_for(self.numel)
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             if comm.rank == leader:
                 idx, _ = topk_abs(acc, k, self.scratch)
                 wire = idx.to(itype)
@@ -65,7 +63,7 @@ class CLTKReducer(BufferedAccumulator, Reducer):
             with comm.phase(self.name + ".values"):
                 sent, vals = self.allreduce_wire_values(acc.index_select(0, idx))
         with self.timed("update"):
-            self.keep_unsent(acc, idx, sent)
+            self.memory.keep(acc, idx, sent)
             out = self.zeros_output(self.numel, acc.dtype, acc.device)  # recycled: no page faults
             set_at(out, idx, vals)
         self.stats.update(selected=k, leader=leader)

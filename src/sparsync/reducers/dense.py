@@ -26,6 +26,7 @@ from .registry import register
 
 @register("dense")
 class DenseReducer(Reducer):
+    has_memory = False  # everything is sent: no residual
     checks_input = True  # in _reduce: fused into the copy, or before the in-place all-reduce
 
     def __init__(self, comm, density: float = 0.01, inplace: bool = False, **rest):

@@ -31,13 +31,14 @@ from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import IndexFlags, add_at
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 from ..select.exact import topk_indices as select_topk
 
 
 @register("gtopk")
-class GTopkReducer(BufferedAccumulator, Reducer):
+class GTopkReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
     #: the default instance (``residuals="partial"``) is not conserving; ``residuals="global"`` is
     #: (set per instance in ``__init__``)
     conserving = False
@@ -59,9 +60,9 @@ class GTopkReducer(BufferedAccumulator, Reducer):
         P, w, k = comm.world_size, comm.rank, self.k
         pb = pair_bytes(grad.dtype)
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals, _ = self.take_unsent(acc, idx)  # acc is now the local residual
+            vals, _ = self.memory.take(acc, idx)  # acc is now the local residual
             own_idx, own_vals = idx, vals
         self.stats["selected"] = k
         drops = []
@@ -97,7 +98,7 @@ class GTopkReducer(BufferedAccumulator, Reducer):
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)
                     add_at(acc, di, dv)
-            self.residual = acc
+            self.memory.keep(acc)  # the local residual with the put-back
         return out
 
     @classmethod

@@ -54,7 +54,6 @@ import torch
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import coalesce_in_order, set_at
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 from ..select.exact import topk_indices as select_topk
 
@@ -82,7 +81,10 @@ def _bits(th: float) -> int:
 
 
 @register("oktopk")
-class OkTopkReducer(BufferedAccumulator, Reducer):
+class OkTopkReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
+
     def __init__(self, comm, density=0.01, recompute_every=1, balance_every=64, **rest):
         super().__init__(comm, density=density, **rest)
         if int(recompute_every) < 1 or int(balance_every) < 1:
@@ -99,7 +101,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         P, _w, n, k = comm.world_size, comm.rank, self.numel, self.k
         recompute = self.th_global is None or self.step % self.recompute_every == 0
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = select_topk(acc, k, self._scratch)
             vals = acc.index_select(0, idx)  # index_select/index_copy_: a third of [] indexing's time on CPU
             self.th_local = float(vals.abs().min()) if idx.numel() else 0.0
@@ -133,7 +135,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
             for x in bufs:
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
                 set_at(out, fi[0], fv[0])
-            self.keep_unsent(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
+            self.memory.keep(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
         return out
 
     def _in_global_set(self, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

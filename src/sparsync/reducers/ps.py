@@ -24,9 +24,9 @@ class ParameterServerReducer(Reducer):
 
     def _reduce(self, grad):
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx, vals = topk_abs(acc, self.k)
-            self.keep_unsent(acc, idx)
+            self.memory.keep(acc, idx)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
             out = ps_allreduce(SparseVec(idx, vals, self.numel, check=False), self.comm, servers=self.servers)

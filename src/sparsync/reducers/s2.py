@@ -152,7 +152,7 @@ class S2Reducer(BlockReducer):
         q_idx, own = self._own_query
         self._own_query = None
         acc.index_add_(0, q_idx, own, alpha=-1)  # residual = acc - Q_U(own sketch)
-        self.residual = acc
+        self.memory.keep(acc)
 
     # ------------------------------------------------------------------ state / cost
     def _config(self) -> dict:

@@ -120,7 +120,6 @@ class SparDLReducer(Reducer):
         self._trial: list[list[float]] = [[] for _ in self.candidates]
         self._controllers: dict[int, HController] = {}
         self._scratch: dict = {}  # reused selection buffers (|x|, mask), see select.exact.scratch_buffer
-        self._bufs: list[torch.Tensor | None] = [None, None]  # two work buffers, alternating
         self._final_set = IndexFlags()  # O(k) membership in the final index set (residuals)
 
     # ------------------------------------------------------------------ sizes
@@ -169,9 +168,9 @@ class SparDLReducer(Reducer):
         team_group = [team * q + i for i in range(q)]
         sag_group = [j * q + r for j in range(d)]
         with self.timed("select"):
-            A = self._work_buffer(q * bs, grad)
-            self.sum_checked(A[:n], grad, self.residual)  # the input check in the same pass (raises here)
-            A[n:].zero_()
+            # grad + residual, zero-padded to q*bs, in one of the memory's two alternating work buffers
+            # (the input check in the same pass: raises here); the residual of this step lives in it
+            A = self.memory.add(grad, padded=q * bs)
             work = WorkBuffer(A, q, bs)
         with comm.phase(f"{self.name}:srs"):
             idx, vals = spar_reduce_scatter(comm, work, kb, team_group, r, self.timed, self._scratch)
@@ -198,31 +197,12 @@ class SparDLReducer(Reducer):
             out = self.zeros_output(q * bs, grad.dtype, grad.device)  # recycled: no page faults
             add_at(out, fpos, fval)
             res = work.finish(self.residuals, fpos, self._final_set)
-            self.residual = res[:n]
+            self.memory.keep(res[:n])  # the residual the scheme collected (global, partial or local)
         self.stats["selected"] = q * kb
         self.stats["teams"] = self.label(d, kind)
         if self.auto_times:
             self.stats["auto_times"] = dict(self.auto_times)
         return out[:n]
-
-    def _work_buffer(self, numel, grad):
-        """One of two reused padded buffers: the one that does not hold the current residual.
-
-        The residual of step t lives in one buffer and A of step t+1 is written into the other, so
-        a residual tensor obtained from ``r.residual`` stays valid for one step only (``state_dict``
-        copies it). Reuse avoids page-faulting a fresh n-element buffer every step.
-        """
-        res_ptr = None if self.residual is None else self.residual.data_ptr()
-
-        def usable(x):
-            return x is not None and x.numel() == numel and x.dtype == grad.dtype and x.device == grad.device
-
-        for x in self._bufs:
-            if usable(x) and x.data_ptr() != res_ptr:
-                return x
-        slot = 1 if (usable(self._bufs[0]) and self._bufs[0].data_ptr() == res_ptr) else 0
-        self._bufs[slot] = torch.empty(numel, dtype=grad.dtype, device=grad.device)
-        return self._bufs[slot]
 
     # ------------------------------------------------------------------ state
     def _extra_state(self):

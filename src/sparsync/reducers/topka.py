@@ -20,12 +20,13 @@ from ..collectives.allgather import allgather
 from ..select.topk import topk_abs
 from ..sparse import SparseVec
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
 @register("topka")
-class TopkAReducer(BufferedAccumulator, Reducer):
+class TopkAReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
     supports_value_dtype = True  # half values on the wire, summed in fp32 by the allgather collective
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
@@ -37,10 +38,10 @@ class TopkAReducer(BufferedAccumulator, Reducer):
 
     def _reduce(self, grad):
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx, vals = topk_abs(acc, self.k, self.scratch)
             vals = self.wire_values(vals)
-            self.keep_unsent(acc, idx, vals)
+            self.memory.keep(acc, idx, vals)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
             out = self.zeros_output(self.numel, torch.promote_types(vals.dtype, torch.float32), acc.device)

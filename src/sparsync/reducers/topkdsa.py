@@ -31,7 +31,6 @@ from ..select.exact import topk_indices
 from ..spardl.bruck import bruck_rounds
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for, set_at, sum_streams
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
@@ -52,7 +51,10 @@ def _item_len(buf: torch.Tensor, start: int, numel: int, vb: int) -> int:
 
 
 @register("topkdsa")
-class TopkDSAReducer(BufferedAccumulator, Reducer):
+class TopkDSAReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
+
     def __init__(self, comm, density=0.01, **rest):
         super().__init__(comm, density=density, **rest)
         self._scratch: dict = {}
@@ -61,9 +63,9 @@ class TopkDSAReducer(BufferedAccumulator, Reducer):
         comm = self.comm
         P, w, n = comm.world_size, comm.rank, self.numel
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = select_topk(acc, self.k, self._scratch)
-            vals, _ = self.take_unsent(acc, idx)
+            vals, _ = self.memory.take(acc, idx)
             ps = -(-n // P)
             bounds = [min(n, j * ps) for j in range(P + 1)]
             cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device)).tolist()

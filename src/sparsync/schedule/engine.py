@@ -1,6 +1,7 @@
 """Overlap engine: gradient hooks feeding one communication thread per rank, group by group.
 
-This is the machinery behind :class:`sparsync.SparseDDP` (``spec/mgwfbp.md`` §5, Algorithm 2, in
+This is the machinery behind :class:`sparsync.SparseDDP` (MG-WFBP: Shi, Chu & Li, "MG-WFBP: Efficient
+Data Communication for Distributed Synchronous SGD Algorithms", INFOCOM 2019, Algorithm 2, in
 PyTorch form). It orchestrates parts that each have one job:
 
 * :mod:`.planner` - which parameters travel together (merge plan; profiling + cost-model fit for
@@ -25,12 +26,17 @@ At the end of backward (a callback queued on the autograd engine), parameters th
 contribute zeros, the engine waits for every group, applies the guard's decision and writes
 ``sum / P`` into the flat buffers (``.grad`` views).
 
-Two cheap paths (issue 10): a policy with ``reads_parts`` (momentum correction) reads the
-per-parameter gradients itself, so nothing is gathered; a reducer with ``indexed_output`` returns an
+The engine reads declared capabilities, never probes: the reducer class's ``sparse_input``,
+``indexed_output`` and ``accepts_fold`` (:data:`sparsync.reducers.base.CAPABILITIES`), the policy's
+``reads_parts`` and ``folds`` (:class:`sparsync.convergence.ConvergencePolicy`, checked at
+construction). Two cheap paths follow from them: a policy with ``reads_parts`` (momentum correction)
+reads the per-parameter gradients itself, so nothing is gathered, and with ``folds`` and a reducer
+that ``accepts_fold`` it adds its output into the reducer's memory in the same pass
+(``memory.fold_target`` / ``memory.mark_folded``); a reducer with ``indexed_output`` returns an
 :class:`~sparsync.reducers.base.IndexedSum` and the write-back clears only last step's non-zeros
 (:meth:`GradBuffers.write_indexed`), instead of a zero-filled dense output and a divide pass.
 
-Delayed averaging (``delay=1``, docs/engine.md): nothing is submitted during backward; at its end
+Delayed averaging (``delay=1``): nothing is submitted during backward; at its end
 the previous step's result is applied and this step's reduces are queued, to run while the caller
 computes the next step (:meth:`OverlapEngine._finish_delayed`). Each step's communication is one
 :class:`~.stepcomm.StepComm` (outputs, guard inputs, error, completion event, accounting), which
@@ -45,6 +51,7 @@ import traceback
 
 import torch
 
+from ..convergence import ConvergencePolicy
 from ..reducers.base import IndexedSum
 from ..reducers.registry import load_all, make_reducer
 from .buffers import GradBuffers
@@ -88,8 +95,7 @@ class OverlapEngine:
         self.sizes = [p.numel() * p.element_size() for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.cuda = any(p.is_cuda for p in self.params)
-        has_sparse = hasattr(reducers[reducer], "reduce_sparse")
-        self.sparse_path = set(sparse_params) if has_sparse else set()
+        self.sparse_path = set(sparse_params) if reducers[reducer].sparse_input else set()
         self.planner = Planner(merge, self.sizes, profile_warmup=profile_warmup, profile_steps=profile_steps,
                                cost_model=cost_model, profile=profile, cost_max_bytes=cost_max_bytes)
         if self.delay and not self.planner.final:
@@ -100,6 +106,8 @@ class OverlapEngine:
         self._inflight: StepComm | None = None  # delay=1: the previous step's communication, not applied yet
         self.steps_done = 0
         self.skipped_steps = 0
+        self.groups: list[list[int]] = []
+        self.reducers: list = []
         self._set_groups(self.planner.initial_plan(), migrate=False)
         self.timeline = Timeline(timeline, comm.rank, comm.world_size, timeline_steps) if timeline else None
         self.sync_enabled = True
@@ -152,7 +160,7 @@ class OverlapEngine:
     def _set_groups(self, groups, migrate=True):
         groups = split_groups(groups, self.params, self.sparse_path)
         check_cover(groups, self.n)
-        old_groups, old_reducers = getattr(self, "groups", None), getattr(self, "reducers", None)
+        old_groups, old_reducers = self.groups, self.reducers
         self.groups = groups
         self.group_of = [0] * self.n
         for gi, g in enumerate(groups):
@@ -162,9 +170,8 @@ class OverlapEngine:
         self.buffers.set_groups(groups)
         if migrate and old_reducers:
             self.reducers = migrate_reducers(old_groups, old_reducers, groups, self.numels, self._new_reducer)
-            regroup = getattr(self.policy, "on_regroup", None)
-            if regroup is not None:
-                regroup(old_groups, groups, self.numels)
+            if self.policy is not None:
+                self.policy.on_regroup(old_groups, groups, self.numels)
         else:
             self.reducers = [self._new_reducer() for _ in groups]
 
@@ -344,30 +351,29 @@ class OverlapEngine:
 
         With a policy that reads the per-parameter gradients itself (momentum correction:
         ``u = m u + g`` slice by slice) nothing is copied into a flat buffer first, and where the
-        reducer accumulates in place (``folding_buffer``) the policy adds its output into the
-        reducer's residual in the same pass (``fold_into``); otherwise the
+        policy ``folds`` and the reducer ``accepts_fold`` the policy adds its output into the
+        reducer's memory in the same pass (``fold_into``); otherwise the
         gradients are gathered (:meth:`GradBuffers.gather`; into the input-only buffer when the
         reducer returns an :class:`IndexedSum` or when ``own`` is set, so the ``.grad`` buffer stays
         cheap to clear, or free to be written)."""
-        parts = getattr(self.policy, "reads_parts", False)
-        if parts:
+        if self.policy is not None and self.policy.reads_parts:
             span.mark("copy")
             if self.guard.checks and not all(all_finite(gr) for gr in grads if gr is not None):
                 rec.bad_local.append(g)
                 grads = [None] * len(grads)
             span.mark("check")
             numels, like = [self.numels[i] for i in self.groups[g]], self.params[self.groups[g][0]]
-            target = None  # the reducer's residual, when the policy can add its output there in its own pass
-            if getattr(self.policy, "folds", False) and hasattr(r, "folding_buffer"):
-                target = r.folding_buffer(sum(numels), like.dtype, like.device)
+            target = None  # the reducer's memory buffer, when the policy can add its output there in its own pass
+            if self.policy.folds and r.accepts_fold:
+                target = r.memory.fold_target(sum(numels), like.dtype, like.device)
             if target is None:
                 x = self.policy.before_reduce_parts(g, grads, numels, like, r)
             else:
                 x = self.policy.before_reduce_parts(g, grads, numels, like, r, fold_into=target)
-                r.mark_folded(x)
+                r.memory.mark_folded()
             span.mark("policy")
             return x
-        keep = own or bool(getattr(r, "indexed_output", False))
+        keep = own or r.indexed_output
         x, copied = self.buffers.gather(g, grads, keep_output=keep, always_copy=own)
         rec.stats.copied_bytes += copied
         span.mark("copy")
@@ -509,17 +515,17 @@ class OverlapEngine:
         self._worker.close()
 
 
-_POLICY_METHODS = ("density", "before_reduce", "after_reduce", "state_dict", "load_state_dict")
-
-
 def _check_policy(policy):
-    """The engine side of the convergence-policy protocol (``sparsync.convergence.GradientPolicy``)."""
+    """The policy's declared interface (:class:`sparsync.convergence.ConvergencePolicy`), checked once."""
     if policy is None:
         return None
-    missing = [m for m in _POLICY_METHODS if not callable(getattr(policy, m, None))]
-    if missing:
-        raise TypeError(f"policy= needs the methods {', '.join(_POLICY_METHODS)} (see "
-                        f"sparsync.convergence.GradientPolicy); {type(policy).__name__} lacks {', '.join(missing)}")
+    if not isinstance(policy, ConvergencePolicy):
+        raise TypeError(f"policy= needs a sparsync.convergence.ConvergencePolicy (subclass it and override density, "
+                        f"before_reduce, after_reduce, state_dict, load_state_dict as needed), got "
+                        f"{type(policy).__name__}")
+    for cap, v in (("reads_parts", policy.reads_parts), ("folds", policy.folds)):
+        if not isinstance(v, bool):
+            raise TypeError(f"policy {type(policy).__name__}: {cap} must be a bool, got {v!r}")
     return policy
 
 
