@@ -1,6 +1,7 @@
 """``cltk``: CLT-k - a cyclic leader picks the top-k indices for everyone (MiCRO's baseline).
 
-What (``spec/micro.md`` §7, CLT-k): at step ``t`` the leader is rank ``t mod P``. Every rank
+What (CLT-k, the cyclic local top-k baseline of the MiCRO paper: Yoon & Oh, 2023): at step ``t``
+the leader is rank ``t mod P``. Every rank
 accumulates ``acc = grad + residual``; the leader selects the ``k`` entries of largest ``|acc|`` of
 *its own* accumulator (exact top-k, :func:`sparsync.select.topk.topk_abs`), broadcasts the indices,
 and every rank all-reduces its values ``acc[idx]`` at those indices. Every rank zeroes ``acc[idx]``
@@ -9,7 +10,7 @@ No build-up (exactly ``k`` entries), but the other ranks wait while the leader s
 own large entries wait until a leader picks them.
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the leader's exact top-k kernel
+(:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the leader's exact top-k kernel
 (leader only), one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
 
 Why: the comparison point of the MiCRO paper for "no build-up, but selection-bound".

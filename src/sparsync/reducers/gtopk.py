@@ -1,4 +1,5 @@
-"""``gtopk``: gTop-k all-reduce (Shi et al.; SparDL's baseline, ``spec/spardl.md`` §10).
+"""``gtopk``: gTop-k all-reduce (Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k
+Sparsification for Low Bandwidth Networks", ICDCS 2019; a baseline of the SparDL paper).
 
 Power-of-two ``P`` only (a clear ``ValueError`` otherwise). Per step: exact local top-``k`` of
 ``acc = grad + residual``; a binomial-tree reduction in ``log2 P`` rounds — at round ``i`` rank
@@ -10,7 +11,7 @@ so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units
 ``log2 P * k`` pairs in the reduction (:meth:`GTopkReducer.predicted_cost`, exact).
 
 Passes over the ``n`` entries per call (the rest is ``O(k log P)``): ``acc = grad + residual`` into a
-recycled buffer (:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k
+recycled buffer (:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
 The global-set test of ``residuals="partial"`` goes through a persistent flag vector
 (:class:`~sparsync.sparse.IndexFlags`), the merges through one stable sort of ``2k`` entries

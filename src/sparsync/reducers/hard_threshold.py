@@ -1,6 +1,6 @@
 """``hard_threshold``: fixed-threshold selection with local error feedback (MiCRO's baseline).
 
-What (``spec/micro.md`` §7, "hard-threshold"): every rank sends all entries of its accumulator
+What (the hard-threshold baseline of the MiCRO paper: Yoon & Oh, 2023): every rank sends all entries of its accumulator
 ``acc = grad + residual`` with ``|acc| >= threshold`` - over the *whole* gradient, so selections of
 different ranks overlap (gradient build-up) - and the sparse vectors are summed by the all-gather
 sum of :mod:`sparsync.collectives.allgather` (stream format: sparse, or dense once sparse would not
@@ -16,7 +16,7 @@ Cost (ring all-gather, per rank; ``c_r`` entries selected by rank ``r``)::
     rounds = P - 1,   bytes_received = (P - 1) * max_r (8 + min(c_r (index_bytes + value_bytes), n value_bytes))
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the threshold kernel, one zero
+(:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the threshold kernel, one zero
 fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`), plus one pass per
 rank whose stream travels dense (when its selection is over the sparse/dense break-even).
 

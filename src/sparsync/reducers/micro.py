@@ -192,7 +192,7 @@ class MicroReducer(Reducer):
         ``gather="direct"``: one batch of ``P - 1`` sends and receives of known size
         (``comm.allgather_direct``), recorded exactly like a ring all-gather (``P - 1`` rounds, messages and
         ``(P - 1) * nbytes`` each way), but all messages are in flight at once, where each step of
-        a ring needs every process scheduled (measured: ``docs/micro.md``, "Direct all-gathers").
+        a ring needs every process scheduled (``docs/micro.md``, "Direct all-gathers").
         ``"ring"``: ``comm.allgather``.
         """
         if self.gather == "ring" or self.comm.world_size == 1:

@@ -1,4 +1,5 @@
-"""``oktopk``: Ok-Topk (Li & Hoefler), as characterised by SparDL (``spec/spardl.md`` §10).
+"""``oktopk``: Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP
+2022), as characterised by the SparDL paper.
 
 Per step on rank ``w``:
 
@@ -20,7 +21,7 @@ Per step on rank ``w``:
 
 **Steady state with error feedback** (why the defaults differ from the paper's 32-step reuse): with
 the residual kept between calls, a threshold estimated once and reused drifts far from the target.
-Measured on the thread cluster (4 ranks, issue 11's heavy-tailed workload, n = 2e5, 1 %): a local
+Measured on thread ranks (4 ranks, a heavy-tailed synthetic workload, n = 2e5, 1 %): a local
 threshold reused for 32 steps selected 3.6x ``k`` after 3 steps and 15x after 30 (it was estimated
 on an accumulator whose residual had not built up; every entry left below it keeps growing until it
 crosses), and a global threshold reused after an exact estimate selected 2.4-2.8x ``k`` from the
@@ -35,7 +36,7 @@ globally with the full sum of every rank's contribution (regions are disjoint, n
 inside a region) or dropped entirely, and then every contributor gets its own value back.
 
 Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
-recycled buffer (:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k
+recycled buffer (:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
 which own entries the global selection kept is read off the output (:meth:`OkTopkReducer._in_global_set`).
 
@@ -61,7 +62,7 @@ from ..select.exact import topk_indices as select_topk
 #: snap to bin edges, so each region's share is off by at most one bin - about 1/64 (~1.6 %) of a
 #: region's ``k / P`` when selected indices spread evenly within bins - for a histogram all-reduce
 #: of ``64 P`` float64 (2 KiB at P = 4): one latency, negligible next to the data phases. Our choice,
-#: not the paper's (the spec fixes only the period, every 64 steps: ``balance_every``).
+#: not the paper's (the paper fixes only the period, every 64 steps: ``balance_every``).
 _BINS_PER_RANK = 64
 #: Threshold radix select (``_global_threshold``): 2^10 bins per level, i.e. 10 bits of the fp32
 #: pattern per level (the shifts 21 and 11 there: bits 30..21, then 20..11). Two levels give the

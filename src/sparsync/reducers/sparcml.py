@@ -1,6 +1,7 @@
 """``sparcml``: local selection with local error feedback, then a SparCML sparse all-reduce (§7.1).
 
-Per step (thesis Algorithm 2, ``spec/sparcml.md`` §7.1)::
+Per step (Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning",
+SC 2019; the thesis' Algorithm 2)::
 
     acc = grad + residual
     (idx, vals) = select(acc)            # topk | bucketed | bucketed_topk | approx | approx_at_most

@@ -1,6 +1,7 @@
 """``spardl``: SparDL — Spar-Reduce-Scatter + (R-SAG | B-SAG) + Bruck all-gather with global residuals.
 
-Spec: ``spec/spardl.md`` (sections cited below; we follow its errata and implementation choices).
+Zhao et al., "SparDL: Distributed Deep Learning Training with Efficient Sparse Communication", ICDE
+2024 (section numbers below are the paper's).
 One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d``):
 
 1. ``A = grad + residual``, zero-padded to ``q*bs`` with ``bs = ceil(n/q)``, viewed as ``q`` blocks (§3).
@@ -20,8 +21,6 @@ touched entries (:class:`~sparsync.spardl.residuals.WorkBuffer`); ``partial`` te
 final index set through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`), not by
 sorting, and ``global`` needs no membership test (``R`` is read on the final set before the restore
 and written back after it).
-Before these changes a call also page-faulted a fresh ``n``-element output and sorted the index lists
-in ``isin`` (profile in ``docs/benchmarks.md``, "2026-11-22 evening").
 
 Message sizes are all known in advance (``kb``/``L`` pairs per block, ``h`` per B-SAG item), so no size
 header travels. Per rank, with ``c = 4 + value_bytes`` bytes per pair (int32 block-local indices)::

@@ -1,4 +1,4 @@
-"""``topkdsa``: SparCML's split all-gather (TopkDSA in the SparDL paper, ``spec/spardl.md`` §10).
+"""``topkdsa``: SparCML's split all-gather (Renggli et al., SC 2019; TopkDSA in the SparDL paper).
 
 Per step: ``acc = grad + residual``; exact local top-``k`` (one-pass kernel,
 :func:`sparsync.select.exact.topk_indices`) with local error feedback (conserving: everything selected
@@ -12,7 +12,7 @@ is delivered exactly). Then
    is not smaller — the union can grow up to ``P*k`` entries per range.
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k kernel, one write
+(:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k kernel, one write
 of the recycled dense output (:meth:`~sparsync.reducers.base.Reducer.output_buffer`); the owner's sum
 of its range is sparse (:func:`sparsync.sparse.sum_streams`, one sort of the ~``k`` received entries)
 while it is smaller than dense, so no dense scratch of ``n/P`` either.
