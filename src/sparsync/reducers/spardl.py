@@ -13,6 +13,12 @@ One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d
    blocks in the same order into a dense output -> bitwise identical on all ranks.
 5. Residuals (§8): ``global`` (GRES, default, conserving), ``partial`` (PRES), ``local`` (LRES).
 
+Error feedback goes through the reducer's memory (:class:`~sparsync.reducers.memory.ErrorFeedback`),
+in its SparDL variant: ``memory.add(grad, padded=q*bs)`` writes ``A`` into one of its two alternating
+work buffers (the input check in that pass), the scheme turns ``A`` into the new residual in place,
+and ``memory.keep(residual)`` hands it back; a residual taken from ``r.residual`` is therefore
+overwritten two steps later.
+
 Passes over the ``n`` entries per call (everything else is ``O(k)``): ``A = grad + residual`` into
 one of two recycled work buffers, one read by the exact per-block top-k kernel (every block is
 selected once, when it is sent; the preserved block at the end), one zero fill of the recycled output
