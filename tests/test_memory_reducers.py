@@ -247,3 +247,23 @@ def test_no_capability_probing_in_the_engine_or_the_policy():
             if call and node.func.id in ("hasattr", "getattr"):
                 found.append(f"{f.name}:{node.lineno} {node.func.id}")
     assert not found, found
+
+
+def test_memory_state_round_trip_and_reducer_state_keys():
+    m = ErrorFeedback(in_place=True)
+    m.keep(m.add(torch.arange(5.0)), torch.tensor([1]))
+    m2 = ErrorFeedback(in_place=True)
+    m2.load_state_dict(m.state_dict())
+    assert torch.equal(m2.residual, m.residual) and m2.residual.data_ptr() != m.residual.data_ptr()
+
+    def fn(comm):
+        r = ss.make_reducer("topka", comm, density=0.2)
+        r.reduce(torch.arange(20.0) - 7)
+        s = r.state_dict()
+        r2 = ss.make_reducer("topka", comm, density=0.2)
+        r2.load_state_dict(s)
+        return sorted(s), torch.equal(r2.residual, r.residual), r2.memory is not r.memory
+
+    keys, same, distinct = ss.run_local(fn, 2, backend="thread")[0]
+    assert keys == ["density", "extra", "name", "numel", "rank", "residual", "step", "world_size"]
+    assert same and distinct
