@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import sparsync as ss
+from sparsync.convergence import ConvergencePolicy
 
 
 def _mlp(seed):
@@ -102,7 +103,7 @@ def test_wait_breakdown_adds_up(reducer):
             assert st["reduce_s"] == pytest.approx(st["select_s"] + st["comm_s"] + st["reducer_other_s"])
 
 
-class _HalfPolicy:
+class _HalfPolicy(ConvergencePolicy):
     """A tiny policy: halves the gradient, full density for two steps, counts its calls (its state)."""
 
     def __init__(self):

@@ -1,7 +1,7 @@
 """Convergence at low density: a :class:`GradientPolicy` that every sparse reducer can use.
 
-At 1% density plain error feedback needs more steps than dense training to reach the same accuracy
-(issue 10: ~1.5x on the digits MLP). Deep Gradient Compression (DGC; Lin, Han, Mao, Wang, Dally,
+At 1% density plain error feedback needs more steps than dense training to reach the same accuracy.
+Deep Gradient Compression (DGC; Lin, Han, Mao, Wang, Dally,
 "Deep Gradient Compression: Reducing the Communication Bandwidth for Distributed Training",
 ICLR 2018, §3.2-§3.3) closes most of that gap with four local techniques, none of which sends an
 extra byte. They are implemented here, per merge group, around ``reducer.reduce``::
@@ -21,10 +21,9 @@ extra byte. They are implemented here, per merge group, around ``reducer.reduce`
   ``density = 1`` and no masking this is exactly ``torch.optim.SGD(momentum=m, nesterov=True)``,
   whose update is ``g + m buf`` with ``buf = m buf + g``. Standing alone it costs one more pass over
   the group than plain momentum correction (``n`` goes through a buffer kept per group); in
-  SparseDDP, with a reducer that accumulates in place, the velocity update and the residual's
-  accumulation are one pass either way (``fold_into``, :func:`sparsync.native.momentum_fold`).
-  Measured on the digits MLP (4 workers, evaluation every step): it reaches 0.95 in fewer steps
-  for dense and sparse training alike (docs/benchmarks.md, issue 10).
+  SparseDDP, with a reducer whose memory accepts a fold (``accepts_fold``), the velocity update and
+  the residual's accumulation are one pass either way (``fold_into``,
+  :func:`sparsync.native.momentum_fold`).
 * **Momentum-factor masking** (DGC §3.3): the velocity of the entries that were sent is cleared,
   ``u = u ⊙ ¬mask``, so stale momentum does not keep pushing a coordinate whose accumulated update was
   just applied. "Sent" = the reducer's residual is exactly zero there after the reduce (what every
@@ -55,15 +54,19 @@ the velocity fed to the reducer)::
     u_r(next) = u'_r ⊙ [residual_after_r != 0]   with masking,   u'_r   without
 
 so, without masking, nothing of any rank's velocity is lost: over T steps the sum of all outputs
-plus the final residuals equals the sum over steps and ranks of what was fed (tested exactly in
-``tests/test_convergence.py``). With masking, exactly the masked velocity entries are dropped.
+plus the final residuals equals the sum over steps and ranks of what was fed. With masking, exactly
+the masked velocity entries are dropped.
 
 Every decision is a function of the step number and of rank-local data only, so parameters stay
 bitwise identical across ranks (the reducer's output is), and :meth:`state_dict` holds the
 velocities so a resumed run continues bitwise.
 
-The engine calls the protocol (``/work/prompts/iface.md``): :meth:`density` before each step's
-reductions, :meth:`before_reduce` / :meth:`after_reduce` around each group's ``reducer.reduce``.
+The engine's side is :class:`ConvergencePolicy`, a base class with declared capabilities and no-op
+defaults: :meth:`~ConvergencePolicy.density` before each step's reductions,
+:meth:`~ConvergencePolicy.before_reduce` (or, with ``reads_parts``,
+:meth:`~ConvergencePolicy.before_reduce_parts`, folding into the reducer's memory when ``folds``) and
+:meth:`~ConvergencePolicy.after_reduce` around each group's ``reducer.reduce``, and
+:meth:`~ConvergencePolicy.on_regroup` when the engine changes its merge plan.
 """
 
 from __future__ import annotations
@@ -74,13 +77,54 @@ import torch
 
 from . import native
 
-__all__ = ["GradientPolicy", "policy_from_options", "POLICY_OPTIONS"]
+__all__ = ["ConvergencePolicy", "GradientPolicy", "policy_from_options", "POLICY_OPTIONS"]
 
 #: option names accepted by :func:`policy_from_options` (``sparsync train --convergence``)
 POLICY_OPTIONS = ("momentum", "masking", "warmup_steps", "warmup_start", "clip", "nesterov", "dense_steps")
 
 
-class GradientPolicy:
+class ConvergencePolicy:
+    """What the overlap engine calls around each group's reduce; subclass it and override what you need.
+
+    Declared capabilities (read by the engine as attributes; ``bool``):
+
+    * ``reads_parts``: the engine hands :meth:`before_reduce_parts` the per-parameter gradients
+      instead of gathering them into a flat buffer and calling :meth:`before_reduce`;
+    * ``folds``: :meth:`before_reduce_parts` accepts ``fold_into`` - the reducer's memory buffer
+      (``reducer.memory.fold_target``, for reducers with ``accepts_fold``) into which it adds its
+      output in the same pass, after which the engine calls ``reducer.memory.mark_folded()``.
+    """
+
+    reads_parts = False
+    folds = False
+
+    def density(self, step: int, target: float) -> float:
+        """The density for optimizer step ``step`` (default: the target)."""
+        return target
+
+    def before_reduce(self, key: int, grad: torch.Tensor, reducer) -> torch.Tensor:
+        """What group ``key``'s reducer should be fed, from its flat gradient (default: unchanged)."""
+        return grad
+
+    def before_reduce_parts(self, key: int, grads, numels, like: torch.Tensor, reducer=None,
+                            fold_into: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`before_reduce` from the group's per-parameter gradients (needs ``reads_parts``)."""
+        raise NotImplementedError(f"{type(self).__name__} declares reads_parts but has no before_reduce_parts")
+
+    def after_reduce(self, key: int, reducer) -> None:
+        """Called after group ``key``'s reduce (default: nothing)."""
+
+    def on_regroup(self, old_groups, new_groups, numels) -> None:
+        """The engine changed its merge plan (groups are lists of parameter indices; default: nothing)."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, d: dict) -> None:
+        pass
+
+
+class GradientPolicy(ConvergencePolicy):
     """DGC's local techniques around each group's reduce (see the module docstring).
 
     Args:
@@ -178,10 +222,10 @@ class GradientPolicy:
         slice by slice of the flat velocity, ``c`` the local-clipping factor (1 when not clipped),
         so the engine need not copy the gradients into a flat buffer first.
 
-        ``fold_into``: the reducer's residual (:meth:`~sparsync.reducers.memory.BufferedAccumulator.folding_buffer`);
+        ``fold_into``: the reducer's memory buffer (:meth:`~sparsync.reducers.memory.ErrorFeedback.fold_target`);
         what the reducer would accumulate (``u``, or Nesterov's ``g + m u``) is added into it in the
         same pass (:func:`sparsync.native.momentum_fold`: one pass instead of two, or three with
-        Nesterov; the same bits) and it is returned, for ``reduce`` after ``mark_folded``."""
+        Nesterov; the same bits) and it is returned, for ``reduce`` after ``memory.mark_folded()``."""
         u = self.velocity.get(key)
         n = sum(numels)
         if u is None:
@@ -250,7 +294,7 @@ class GradientPolicy:
         (torch.nn.utils.clip_grad_norm_'s coefficient), or None when no clipping is needed."""
         if self.clip is None:
             return None
-        P = max(1, int(getattr(getattr(reducer, "comm", None), "world_size", 1)))
+        P = 1 if reducer is None else max(1, int(reducer.comm.world_size))
         limit = self.clip / math.sqrt(P)
         norms = [torch.linalg.vector_norm(gr.reshape(-1)) for gr in grads if gr is not None]
         if not norms:
@@ -265,7 +309,7 @@ class GradientPolicy:
         u = self.velocity.get(key)
         if u is None:
             return
-        res = getattr(reducer, "residual", None)
+        res = reducer.residual  # None for a reducer without memory: everything was sent
         if res is None:
             u.zero_()
         else:

@@ -1,45 +1,43 @@
-"""Reducer: the stateful, lossy gradient exchange every method implements.
+"""Reducer: the stateful, lossy gradient exchange every method implements, and its declared capabilities.
 
 ``out = r.reduce(grad)`` takes this rank's 1-D gradient and returns the SUM over ranks of what was
 transmitted, as a dense tensor bitwise identical on every rank. What was not transmitted stays in
-``r.residual`` (error feedback) and is added to the next gradient. Averaging happens once, in the
-trainer. For a conserving reducer the identity
+the reducer's error-feedback memory (``r.memory``, :class:`~.memory.ErrorFeedback`; its residual is
+``r.residual``) and is added to the next gradient. Averaging happens once, in the trainer. For a
+conserving reducer the identity
 
     sum_r (grad_r + residual_before_r) == out + sum_r residual_after_r
 
-holds every step (``DESIGN.md``, "conserving"). With momentum correction
-(:mod:`sparsync.convergence`) the reducer is fed the velocity ``u'_r = m u_r + grad_r`` instead, and
-the same identity holds with ``u'_r`` in place of ``grad_r`` (tested exactly per step and summed
-over steps in ``tests/test_convergence.py``).
+holds every step (Stich et al., "Sparsified SGD with Memory", NeurIPS 2018). With momentum
+correction (:mod:`sparsync.convergence`) the reducer is fed the velocity instead, and the same
+identity holds with it in place of ``grad_r``.
 
-A subclass implements :meth:`_reduce` and, if it has state beyond the residual and step counter,
-:meth:`_extra_state` / :meth:`_load_extra_state`. It times its stages with ``self.timed("select")``
-and ``self.timed("comm")`` and reports what it transmitted with ``self.stats["selected"] = ...``;
-bytes, messages and rounds come from the ledger automatically.
+A subclass implements :meth:`_reduce` (selection, ``self.memory``, communication) and, if it has
+state beyond the residual and step counter, :meth:`_extra_state` / :meth:`_load_extra_state`. It
+times its stages with ``self.timed("select")`` / ``self.timed("comm")`` and reports what it
+transmitted with ``self.stats["selected"] = ...``; bytes, messages and rounds come from the ledger.
 
-Non-finite input (docs/reliability.md), one policy for every reducer: ``nonfinite="error"``
-(default) makes :meth:`reduce` raise ``FloatingPointError`` naming the rank and step before
-anything is sent or absorbed into the residual; ``nonfinite="ignore"`` skips the check (the caller
-guarantees finite input). :class:`~sparsync.ddp.SparseDDP` checks every gradient itself (its
-``nonfinite`` = error / skip / ignore) and builds its reducers with ``"ignore"``, so a step is
-checked once. A reducer with ``checks_input = True`` checks inside its first pass over the input,
-which writes a buffer of its own (:meth:`Reducer.sum_checked`: ``grad + residual`` or the copy of
-``grad``, and the test of every exponent, in one C pass); every other one pays one read pass:
-``grad.sum()`` is finite for finite input (NaN or Inf propagate), and only a non-finite sum (or a
-float overflow of it) pays the exact ``isfinite(grad).all()`` (docs/reliability.md). Raising on one rank makes
-the others wait in their next collective: ``run_local`` / ``sparsync train`` then stop every rank
-at once; a plain torchrun job waits for its collective timeout.
+Capabilities are declared, not discovered: every class attribute named in :data:`CAPABILITIES` is a
+``bool`` with a default here, and :func:`check_capabilities` holds every registered class to it
+(``has_memory``, ``accepts_fold``, ``indexed_output``, ``sparse_input``, ``checks_input``,
+``conserving``, ``supports_value_dtype``, ``value_dtype_conserving``, ``reuse_buffers``). Callers
+(the overlap engine, the convergence policy) read them as attributes.
+
+Non-finite input, one policy for every reducer: ``nonfinite="error"`` (default) makes :meth:`reduce`
+raise ``FloatingPointError`` naming the rank and step before anything is sent or absorbed into the
+residual; ``nonfinite="ignore"`` skips the check (the caller guarantees finite input). A reducer with
+``checks_input = True`` checks inside its first pass over the input (:func:`~.memory.sum_checked`:
+``grad + residual`` and the test of every entry in one pass); every other one pays one read pass
+(:func:`~.memory.sums_finite`). Raising on one rank makes the others wait in their next collective:
+``run_local`` / ``sparsync train`` then stop every rank at once.
 
 The first call also checks, in one small all-gather, that every rank passes the same numel, dtype
 and density: a mismatch names the ranks and values instead of failing later on byte counts.
 
-Opt-in helper for the dense result: :meth:`Reducer.zeros_output` returns a zero-filled tensor that
-is recycled from an earlier step once nothing outside the reducer references its memory any more
-(checked on the storage's reference count, so views and ``numpy()`` aliases held by the caller
-count), and is a fresh allocation otherwise. At n = 1e7 a fresh 40 MB ``torch.zeros`` costs ~7 ms
-of page faults per rank on CPU; zeroing a recycled buffer ~0.7 ms. The caller sees no difference:
-the result is zero-filled before the reducer writes it, and a tensor the caller still holds is never
-reused.
+:meth:`Reducer.zeros_output` returns a zero-filled tensor for the dense result that is recycled from
+an earlier step once nothing outside the reducer references its memory any more (checked on the
+storage's reference count, so views held by the caller count), and is a fresh allocation otherwise:
+the caller sees no difference, and a tensor the caller still holds is never reused.
 """
 
 from __future__ import annotations
@@ -51,18 +49,21 @@ from typing import NamedTuple
 
 import torch
 
-from .. import native, rankstate
+from .. import rankstate
 from ..recycle import recycled
 from ..select.topk import check_density
 from ..sparse import set_at
+from .memory import ErrorFeedback, cpu_copy, round_to_wire, sum_checked, sums_finite
 
-__all__ = ["Reducer", "IndexedSum", "NONFINITE_POLICIES", "VALUE_DTYPES"]
+__all__ = ["Reducer", "IndexedSum", "CAPABILITIES", "NONFINITE_POLICIES", "VALUE_DTYPES", "check_capabilities"]
 
 NONFINITE_POLICIES = ("error", "ignore")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # codes for the set-up check
 #: ``value_dtype`` option -> dtype of the transmitted values (None: the gradient's own dtype)
 VALUE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-_FP16_MAX = 65504.0  # largest finite float16: larger magnitudes are sent saturated, the rest kept
+#: the declared capabilities of a reducer class: each a ``bool`` class attribute (defaults on :class:`Reducer`)
+CAPABILITIES = ("has_memory", "accepts_fold", "indexed_output", "sparse_input", "checks_input", "conserving",
+                "supports_value_dtype", "value_dtype_conserving", "reuse_buffers")
 
 
 class IndexedSum(NamedTuple):
@@ -76,23 +77,33 @@ class IndexedSum(NamedTuple):
 
 class Reducer:
     name = "base"
+    #: True when the reducer keeps error feedback: ``self.memory`` is an :class:`~.memory.ErrorFeedback`
+    #: (``residual`` its residual); False: ``memory`` is None and ``residual`` always None
+    has_memory = True
+    #: True when the memory accumulates in place (with ``reuse_buffers``), so a caller that computes
+    #: the input in a pass of its own may fold it into ``memory.fold_target(...)`` (momentum correction)
+    accepts_fold = False
     #: True when :meth:`_reduce` returns an :class:`IndexedSum` (see :meth:`reduce`'s ``indexed``)
     indexed_output = False
+    #: True when :meth:`reduce_sparse` takes a torch sparse COO gradient (embedding tables)
+    sparse_input = False
+    #: True for reducers whose :meth:`_reduce` checks its input itself before it sends anything (fused
+    #: into its first pass: :meth:`sum_checked`, the memory's ``add``): :meth:`reduce` then makes no
+    #: check pass of its own
+    checks_input = False
     #: True when the conservation identity holds exactly (up to fp rounding) every step.
     conserving = True
     #: True for reducers whose wire carries values as ``value_dtype`` (fp16/bf16): the values are
-    #: rounded before sending (:meth:`wire_values`), the rounding error stays in the residual
-    #: (:meth:`keep_unsent`), and the receivers sum in fp32, so conservation holds as before.
+    #: rounded before sending (:meth:`wire_values`), the rounding error stays in the residual, and the
+    #: receivers sum in fp32, so conservation holds as before.
     supports_value_dtype = False
     #: False for reducers that sum the half-precision values themselves in a dense all-reduce
     #: (:meth:`allreduce_wire_values`): that sum rounds outside any residual, so an instance with
     #: ``value_dtype`` fp16/bf16 reports ``conserving = False``.
     value_dtype_conserving = True
-    #: True for reducers whose :meth:`_reduce` checks its input itself before it sends anything - with
-    #: :meth:`sum_checked` (the check fused into their first pass over the input: ``dense``,
-    #: ``spardl``, the ``BufferedAccumulator`` reducers) or :meth:`check_finite`: :meth:`reduce` then
-    #: makes no check pass of its own (``tests/test_faults_inputs.py`` holds every reducer to it)
-    checks_input = False
+    #: True: recycle gradient-sized buffers across steps (the dense output; with ``accepts_fold`` the
+    #: memory's accumulator too). Reducers with a ``reuse_buffers`` option set it before ``__init__``.
+    reuse_buffers = True
 
     def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", nonfinite: str = "error",
                  **options):
@@ -111,7 +122,10 @@ class Reducer:
         self.comm = comm
         self.nonfinite = nonfinite
         self.density = check_density(density)
-        self.residual: torch.Tensor | None = None
+        self.memory: ErrorFeedback | None = None
+        if self.has_memory:
+            self.memory = ErrorFeedback(in_place=self.accepts_fold and self.reuse_buffers, wire_dtype=self.wire_dtype,
+                                        on_nonfinite=self._nonfinite_handler())
         self.step = 0
         self.numel: int | None = None
         self.stats: dict = {}
@@ -142,6 +156,23 @@ class Reducer:
                             f"valid: {', '.join(valid) or '(none)'}")
 
     # ------------------------------------------------------------------ public API
+    @property
+    def residual(self) -> torch.Tensor | None:
+        """This rank's error-feedback memory (1-D, the gradient's numel), or None."""
+        return None if self.memory is None else self.memory.residual
+
+    @residual.setter
+    def residual(self, value: torch.Tensor | None) -> None:
+        if self.memory is None:
+            if value is not None:
+                raise ValueError(f"reducer {self.name!r} keeps no residual (has_memory = False)")
+            return
+        self.memory.residual = value
+
+    def reduce_sparse(self, grad: torch.Tensor) -> torch.Tensor:
+        """SUM over ranks of a torch sparse COO gradient (reducers with ``sparse_input = True``)."""
+        raise TypeError(f"reducer {self.name!r} takes no sparse gradients (sparse_input = False)")
+
     def reduce(self, grad: torch.Tensor, *, indexed: bool = False) -> torch.Tensor | IndexedSum:
         """This step's sum over ranks (see the module docstring). ``indexed=True``: a reducer whose
         ``indexed_output`` is True returns it as an :class:`IndexedSum` (its non-zeros only), so the
@@ -212,7 +243,7 @@ class Reducer:
             "step": self.step,
             "numel": self.numel,
             "density": self.density,
-            "residual": None if self.residual is None else self.residual.detach().cpu().clone(),
+            "residual": cpu_copy(self.residual),
             "extra": self._extra_state(),
             "rank": self.comm.rank,  # the residual is this rank's (sparsync.rankstate)
             "world_size": self.comm.world_size,
@@ -228,6 +259,8 @@ class Reducer:
         self.numel = d["numel"]
         res = d["residual"]
         self.residual = None if res is None else res.to(self.comm.device).clone()
+        if self.memory is not None:
+            self.memory.forget_buffers()
         self._load_extra_state(d.get("extra") or {})
 
     @classmethod
@@ -269,71 +302,21 @@ class Reducer:
             k = key + "_s"
             self.stats[k] = self.stats.get(k, 0.0) + time.perf_counter() - t0
 
-    def accumulate(self, grad: torch.Tensor) -> torch.Tensor:
-        """Error feedback, first half: ``acc = grad + residual`` (a new tensor; one pass), checked
-        for overflow in that pass (:meth:`sum_checked`): a finite gradient can still push a residual
-        entry past the float range."""
-        if self.residual is None:
-            return grad.clone()
-        out = torch.empty(grad.shape, dtype=torch.result_type(grad, self.residual), device=grad.device)
-        return self.sum_checked(out, grad, self.residual)
-
     def wire_values(self, vals: torch.Tensor) -> torch.Tensor:
         """The values as they travel: rounded to ``value_dtype`` (fp16 saturates at +-65504), or
-        unchanged for fp32. Pass the result to :meth:`keep_unsent` so the rounding error stays."""
-        if self.wire_dtype is None or vals.dtype == self.wire_dtype:
-            return vals
-        if self.wire_dtype == torch.float16:
-            vals = vals.clamp(-_FP16_MAX, _FP16_MAX)
-        return vals.to(self.wire_dtype)
+        unchanged for fp32. Pass the result to ``memory.keep`` so the rounding error stays."""
+        return round_to_wire(vals, self.wire_dtype)
 
     def allreduce_wire_values(self, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(sent, sum over ranks) of values every rank holds at the same indices (MiCRO, CLT-k).
 
-        ``sent`` = :meth:`wire_values` (give it to :meth:`keep_unsent`); the sum is the ring
+        ``sent`` = :meth:`wire_values` (give it to ``memory.keep``); the sum is the ring
         all-reduce of ``sent`` - in half precision with ``value_dtype`` fp16/bf16 (half the bytes;
         the cross-rank rounding is not in any residual, hence ``value_dtype_conserving = False``;
         summing in fp32 would need an all-gather, ``(P-1)*2`` instead of ``2(P-1)/P*2`` bytes per
         value) - returned in ``vals``' dtype."""
         sent = self.wire_values(vals)
         return sent, self.comm.allreduce(sent).to(vals.dtype)
-
-    def keep_unsent(self, acc: torch.Tensor, sent_idx: torch.Tensor, sent_vals: torch.Tensor | None = None,
-                    acc_vals: torch.Tensor | None = None) -> None:
-        """Error feedback, second half: the residual becomes ``acc`` minus what was sent.
-
-        ``sent_vals`` (the :meth:`wire_values` actually sent) when they are rounded: the entry keeps
-        ``acc - float(sent)``, exact in fp32 (a value and its fp16/bf16 rounding are within a factor
-        2 unless the rounding is 0 or saturated, and then the difference is a representable fp32),
-        so ``acc == residual + sent`` holds bitwise. Otherwise the sent entries are zeroed.
-        ``acc_vals``: ``acc`` at ``sent_idx`` when the caller gathered it already (saves a gather;
-        ``sent_idx`` unique). Takes ownership of ``acc`` (modified in place; no extra pass over the
-        gradient).
-        """
-        idx = sent_idx.to(torch.int64)
-        if sent_vals is None or sent_vals.dtype == acc.dtype:
-            acc.index_fill_(0, idx, 0)  # on CPU ~half the time of acc[sent_idx] = 0
-        else:
-            old = acc.index_select(0, idx) if acc_vals is None else acc_vals
-            set_at(acc, idx, old - sent_vals.to(acc.dtype))
-        self.residual = acc
-
-    def take_unsent(self, acc: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(vals, sent)``: ``acc`` at the unique ``idx`` and what travels (:meth:`wire_values`), with
-        :meth:`keep_unsent` done for them at once (``acc`` keeps ``acc - sent`` there: zero for fp32).
-        fp32 values on the CPU with ascending ``idx`` (every threshold and exact top-k selection, and
-        MiCRO's union): the gather and the zeroing in one visit of each entry
-        (:func:`sparsync.native.take_clear`) instead of an ``index_select`` and an ``index_fill_``."""
-        idx = idx.to(torch.int64)
-        if self.wire_dtype is None and native.usable(acc) and acc.dim() == 1 and idx.device.type == "cpu":
-            vals = native.take_clear(acc, idx.contiguous())
-            if vals is not None:
-                self.residual = acc
-                return vals, vals
-        vals = acc.index_select(0, idx)
-        sent = self.wire_values(vals)
-        self.keep_unsent(acc, idx, sent, acc_vals=vals)
-        return vals, sent
 
     @property
     def scratch(self) -> dict:
@@ -346,10 +329,8 @@ class Reducer:
 
     def _densify(self, out: IndexedSum) -> torch.Tensor:
         """The dense tensor of an :class:`IndexedSum` (a recycled zero-filled output buffer unless
-        ``reuse_buffers`` is off). One pass in C writing the zeros and the values together was
-        tried: at 25.6M entries with 256k values it took 6.0-7.0 ms against 5.2-5.9 ms for the
-        streaming zero fill plus this scatter (its sorted indices make the scatter cheap)."""
-        if getattr(self, "reuse_buffers", True):
+        ``reuse_buffers`` is off): a streaming zero fill and a scatter of the sorted indices."""
+        if self.reuse_buffers:
             dense = self.zeros_output(out.numel, out.values.dtype, out.values.device)
         else:
             dense = torch.zeros(out.numel, dtype=out.values.dtype, device=out.values.device)
@@ -372,16 +353,14 @@ class Reducer:
         return recycled(pool, numel, dtype, device, zero=zero, keep=self.output_pool_size)
 
     def check_finite(self, values: torch.Tensor) -> None:
-        """Raise FloatingPointError (rank and step named) on NaN/Inf, unless ``nonfinite="ignore"``.
+        """Raise FloatingPointError (rank and step named) on NaN/Inf, unless ``nonfinite="ignore"``;
+        one read pass (:func:`~.memory.sums_finite`)."""
+        if self.nonfinite != "ignore" and not sums_finite(values):
+            self._raise_nonfinite(values)
 
-        One read pass: the sum of finite values is finite unless it overflows, so only a
-        non-finite sum pays the exact ``isfinite(...).all()``.
-        """
-        if self.nonfinite == "ignore" or values.numel() == 0:
-            return
-        if bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all()):
-            return
-        self._raise_nonfinite(values)
+    def _nonfinite_handler(self):
+        """The input check handed to :func:`~.memory.sum_checked` (None with ``nonfinite="ignore"``)."""
+        return None if self.nonfinite == "ignore" else self._raise_nonfinite
 
     def _raise_nonfinite(self, values: torch.Tensor, residual: torch.Tensor | None = None):
         """Raise for non-finite input ``values``; when they are finite, ``values + residual`` is what
@@ -401,24 +380,11 @@ class Reducer:
             f"find the NaN's source; pass nonfinite='ignore' only if the input is checked elsewhere")
 
     def sum_checked(self, out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """``out = grad + residual`` (``residual=None``: a copy of ``grad``) with :meth:`check_finite`
-        of the SUM - a non-finite ``grad`` makes it non-finite, and so does a finite one that overflows
-        the residual - in ONE pass where the C kernels can (:func:`sparsync.native.sum_check`: fp32 CPU,
-        streaming stores), else torch's add and a check of ``out``. For a reducer with ``checks_input
-        = True``, whose first pass over its input writes a buffer of its own (``out`` must not overlap
-        ``grad`` or ``residual``): on non-finite input or an overflowed residual it raises before
-        anything is sent, and neither ``grad`` nor ``residual`` has changed. Bits: those of
-        ``torch.add(grad, residual, out=out)``. 25.6M fp32, one thread: 13.6 ms, against 15.3 + 6.4 ms
-        for the add and the check pass."""
-        check = self.nonfinite != "ignore"
-        if check and native.usable(out) and native.usable(grad) and (residual is None or native.usable(residual)):
-            if not native.sum_check(out, residual, grad):
-                self._raise_nonfinite(grad, residual)
-            return out
-        out = out.copy_(grad) if residual is None else torch.add(grad, residual, out=out)
-        if check and out.numel() and not (bool(torch.isfinite(out.sum())) or bool(torch.isfinite(out).all())):
-            self._raise_nonfinite(grad, residual)
-        return out
+        """``out = grad + residual`` (``residual=None``: a copy of ``grad``) with this reducer's input
+        check fused into the same pass (:func:`~.memory.sum_checked`; ``out`` must not overlap
+        ``grad`` or ``residual``: on non-finite input it raises before anything is sent, and neither
+        has changed)."""
+        return sum_checked(out, grad, residual, self._nonfinite_handler())
 
     # ------------------------------------------------------------------ internals
     def _sync(self) -> None:
@@ -457,3 +423,20 @@ class Reducer:
             if len(set(vals)) > 1:
                 raise ValueError(f"rank {self.comm.rank}: {self.name}.reduce: {what} differs across ranks: "
                                  + ", ".join(f"rank {r}: {show[i](v)}" for r, v in enumerate(vals)))
+
+
+def check_capabilities(cls) -> None:
+    """TypeError unless ``cls`` declares every capability of :data:`CAPABILITIES` as a ``bool``,
+    ``sparse_input`` exactly when it overrides :meth:`Reducer.reduce_sparse`, and ``accepts_fold``
+    only with ``has_memory`` (called by :func:`~.registry.register`, so at import)."""
+    if not (isinstance(cls, type) and issubclass(cls, Reducer)):
+        raise TypeError(f"a reducer must be a subclass of sparsync.reducers.base.Reducer, got {cls!r}")
+    for cap in CAPABILITIES:
+        v = getattr(cls, cap)
+        if not isinstance(v, bool):
+            raise TypeError(f"reducer {cls.__name__}: capability {cap} must be a bool, got {v!r}")
+    if cls.sparse_input != (cls.reduce_sparse is not Reducer.reduce_sparse):
+        raise TypeError(f"reducer {cls.__name__}: sparse_input = {cls.sparse_input} but reduce_sparse is "
+                        f"{'' if cls.sparse_input else 'not '}the base class's")
+    if cls.accepts_fold and not cls.has_memory:
+        raise TypeError(f"reducer {cls.__name__}: accepts_fold needs has_memory")

@@ -61,6 +61,7 @@ class BlockReducer(Reducer):
     """
 
     conserving = True
+    sparse_input = True  # reduce_sparse: embedding gradients (no error feedback on that path)
 
     def __init__(self, comm, density: float = 0.01, block_size: int = 256,
                  embedding_density: float | None = None, **rest):
@@ -83,7 +84,7 @@ class BlockReducer(Reducer):
     def _reduce(self, grad):
         bs, b = self.block_size, self.nblocks
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             ids, idx, vals = block_topk(acc, self.kblocks, bs)
         self.stats["selected"] = idx.numel()
         self.stats["blocks_selected"] = ids.numel()
@@ -93,7 +94,7 @@ class BlockReducer(Reducer):
         return out
 
     def _feedback(self, acc: torch.Tensor, idx: torch.Tensor) -> None:
-        self.keep_unsent(acc, idx)
+        self.memory.keep(acc, idx)
 
     # ------------------------------------------------------------------ embedding path
     def reduce_sparse(self, grad: torch.Tensor) -> torch.Tensor:

@@ -1,20 +1,21 @@
 """Block-sparse reducers: the S2 Reducer paper's baselines (their base, shared with ``s2``, is :mod:`.blockbase`).
 
-``spec/s2reducer.md`` §2 and §8 ("Baselines: AllGather, ..., OmniReduce"). All three block reducers
+Ge et al., "S2 Reducer: High-Performance Sparse Communication to Accelerate Distributed Deep
+Learning", 2022, §2 and its baselines (AllGather, OmniReduce). All three block reducers
 (``s2``, ``blocksparse``, ``block_allgather``) transmit the *same* selection, so their communication
 can be compared one to one:
 
 * **dense gradients** (``reduce``): block-wise top-K by block L2 norm
   (:mod:`sparsync.select.blocks`) with local error feedback: ``acc = grad + residual``, the ``K``
-  blocks of largest norm travel, ``residual = acc`` with those blocks zeroed (spec §2 implementation
+  blocks of largest norm travel, ``residual = acc`` with those blocks zeroed (an implementation
   choice). ``K = round(density * b)``, ``b = ceil(n / block_size)``; a short last block is zero padded
   (see :mod:`sparsync.select.blocks`).
 * **naturally sparse gradients** (``reduce_sparse``): the torch sparse COO gradient of
   ``nn.Embedding(sparse=True)`` / ``nn.EmbeddingBag(sparse=True)``. Blocks are the table's rows, the
   block size its embedding dimension. Such gradients arrive **uncoalesced** (one entry per looked-up
   token, repeated rows); they are coalesced here (duplicates summed) before anything else, so callers
-  need not. No error feedback on this path (spec §2: "embedding gradients are communicated without
-  error feedback"): every touched row travels. Returns the dense SUM over ranks with the gradient's
+  need not. No error feedback on this path (as the S2 paper: embedding gradients are communicated without
+  error feedback): every touched row travels. Returns the dense SUM over ranks with the gradient's
   shape. A fully sparse 2-D COO tensor (``sparse_dim == 2``) is accepted too (its rows become dense
   blocks). ``reduce_sparse`` does not advance ``step``; its figures go to ``stats`` (like ``reduce``:
   the last call's) and stay in ``sparse_stats`` after a later dense ``reduce``.

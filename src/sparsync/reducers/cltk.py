@@ -1,6 +1,7 @@
 """``cltk``: CLT-k - a cyclic leader picks the top-k indices for everyone (MiCRO's baseline).
 
-What (``spec/micro.md`` §7, CLT-k): at step ``t`` the leader is rank ``t mod P``. Every rank
+What (CLT-k, the cyclic local top-k baseline of the MiCRO paper: Yoon & Oh, 2023): at step ``t``
+the leader is rank ``t mod P``. Every rank
 accumulates ``acc = grad + residual``; the leader selects the ``k`` entries of largest ``|acc|`` of
 *its own* accumulator (exact top-k, :func:`sparsync.select.topk.topk_abs`), broadcasts the indices,
 and every rank all-reduces its values ``acc[idx]`` at those indices. Every rank zeroes ``acc[idx]``
@@ -9,7 +10,7 @@ No build-up (exactly ``k`` entries), but the other ranks wait while the leader s
 own large entries wait until a leader picks them.
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the leader's exact top-k kernel
+(:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the leader's exact top-k kernel
 (leader only), one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
 
 Why: the comparison point of the MiCRO paper for "no build-up, but selection-bound".
@@ -31,29 +32,27 @@ import torch
 from ..select.topk import topk_abs
 from ..sparse import index_dtype_for, set_at
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
 @register("cltk")
-class CLTKReducer(BufferedAccumulator, Reducer):
+class CLTKReducer(Reducer):
     conserving = True
+    accepts_fold = True
+    checks_input = True
     supports_value_dtype = True  # values summed in half precision by the all-reduce: not conserving then
     value_dtype_conserving = False
 
     def __init__(self, comm, density: float = 0.01, reuse_buffers: bool = True, **rest):
+        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
-        self.reuse_buffers = bool(reuse_buffers)
-
-    def _load_extra_state(self, d: dict) -> None:
-        self._forget_buffers()
 
     def _reduce(self, grad):
         comm, k = self.comm, self.k
         leader = self.step % comm.world_size
         itype = index_dtype_for(self.numel)
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             if comm.rank == leader:
                 idx, _ = topk_abs(acc, k, self.scratch)
                 wire = idx.to(itype)
@@ -65,7 +64,7 @@ class CLTKReducer(BufferedAccumulator, Reducer):
             with comm.phase(self.name + ".values"):
                 sent, vals = self.allreduce_wire_values(acc.index_select(0, idx))
         with self.timed("update"):
-            self.keep_unsent(acc, idx, sent)
+            self.memory.keep(acc, idx, sent)
             out = self.zeros_output(self.numel, acc.dtype, acc.device)  # recycled: no page faults
             set_at(out, idx, vals)
         self.stats.update(selected=k, leader=leader)

@@ -1,19 +1,17 @@
 """``dense``: all-reduce of the whole gradient (the baseline every method is compared with).
 
-Cost (ring): ``2(P-1)`` rounds, ``2(P-1)/P * n`` values received per rank. No residual; conserving.
+Cost (ring): ``2(P-1)`` rounds, ``2(P-1)/P * n`` values received per rank. No residual
+(``has_memory = False``); conserving.
 
 It costs what ``all_reduce`` costs: the gradient is copied once into a recycled output buffer
-(:meth:`~sparsync.reducers.base.Reducer.output_buffer`: no fresh 40 MB allocation and its page
-faults per step, which is what made this reducer ~16% slower than a bare gloo ``all_reduce``) and
-reduced there in place; the caller's gradient is left untouched. That copy is the whole
-difference to a bare in-place ``all_reduce`` (~4 % at n = 1e7 on the emulated 1 Gbit/s links);
-on a real process group it runs in pieces, each piece's all-reduce posted as soon as it is copied
-(``TorchComm._allreduce_into``), so it hides behind the wire (``docs/benchmarks.md``, issue 11).
-With the input check on (``nonfinite="error"``, the default) the copy and the check are one pass
-(:meth:`~sparsync.reducers.base.Reducer.sum_checked`: streaming stores, 25.6M fp32 on one thread
-10.0 ms where the copy took 12.4 and the check 6.4) that must end before anything is sent, and the
-buffer is then reduced in place, in the same pieces (``Comm.allreduce(..., pieces=True)``); with
-``nonfinite="ignore"`` the piecewise copy.
+(:meth:`~sparsync.reducers.base.Reducer.output_buffer`: no fresh allocation and its page faults per
+step) and reduced there in place; the caller's gradient is left untouched. On a real process group
+the copy runs in pieces, each piece's all-reduce posted as soon as it is copied
+(``TorchComm._allreduce_into``), so it hides behind the wire. With the input check on
+(``nonfinite="error"``, the default) the copy and the check are one pass
+(:meth:`~sparsync.reducers.base.Reducer.sum_checked`, streaming stores) that must end before
+anything is sent, and the buffer is then reduced in place, in the same pieces
+(``Comm.allreduce(..., pieces=True)``); with ``nonfinite="ignore"`` the piecewise copy.
 Option ``inplace=True`` removes the copy for a caller that donates its gradient buffer (like torch
 DDP's buckets): the gradient tensor itself is reduced and returned.
 """
@@ -26,6 +24,7 @@ from .registry import register
 
 @register("dense")
 class DenseReducer(Reducer):
+    has_memory = False  # everything is sent: no residual
     checks_input = True  # in _reduce: fused into the copy, or before the in-place all-reduce
 
     def __init__(self, comm, density: float = 0.01, inplace: bool = False, **rest):

@@ -1,4 +1,5 @@
-"""``gtopk``: gTop-k all-reduce (Shi et al.; SparDL's baseline, ``spec/spardl.md`` §10).
+"""``gtopk``: gTop-k all-reduce (Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k
+Sparsification for Low Bandwidth Networks", ICDCS 2019; a baseline of the SparDL paper).
 
 Power-of-two ``P`` only (a clear ``ValueError`` otherwise). Per step: exact local top-``k`` of
 ``acc = grad + residual``; a binomial-tree reduction in ``log2 P`` rounds — at round ``i`` rank
@@ -10,7 +11,7 @@ so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units
 ``log2 P * k`` pairs in the reduction (:meth:`GTopkReducer.predicted_cost`, exact).
 
 Passes over the ``n`` entries per call (the rest is ``O(k log P)``): ``acc = grad + residual`` into a
-recycled buffer (:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k
+recycled buffer (:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
 The global-set test of ``residuals="partial"`` goes through a persistent flag vector
 (:class:`~sparsync.sparse.IndexFlags`), the merges through one stable sort of ``2k`` entries
@@ -31,13 +32,14 @@ from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import IndexFlags, add_at
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 from ..select.exact import topk_indices as select_topk
 
 
 @register("gtopk")
-class GTopkReducer(BufferedAccumulator, Reducer):
+class GTopkReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
     #: the default instance (``residuals="partial"``) is not conserving; ``residuals="global"`` is
     #: (set per instance in ``__init__``)
     conserving = False
@@ -59,9 +61,9 @@ class GTopkReducer(BufferedAccumulator, Reducer):
         P, w, k = comm.world_size, comm.rank, self.k
         pb = pair_bytes(grad.dtype)
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals, _ = self.take_unsent(acc, idx)  # acc is now the local residual
+            vals, _ = self.memory.take(acc, idx)  # acc is now the local residual
             own_idx, own_vals = idx, vals
         self.stats["selected"] = k
         drops = []
@@ -97,7 +99,7 @@ class GTopkReducer(BufferedAccumulator, Reducer):
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)
                     add_at(acc, di, dv)
-            self.residual = acc
+            self.memory.keep(acc)  # the local residual with the put-back
         return out
 
     @classmethod

@@ -1,6 +1,6 @@
 """``hard_threshold``: fixed-threshold selection with local error feedback (MiCRO's baseline).
 
-What (``spec/micro.md`` §7, "hard-threshold"): every rank sends all entries of its accumulator
+What (the hard-threshold baseline of the MiCRO paper: Yoon & Oh, 2023): every rank sends all entries of its accumulator
 ``acc = grad + residual`` with ``|acc| >= threshold`` - over the *whole* gradient, so selections of
 different ranks overlap (gradient build-up) - and the sparse vectors are summed by the all-gather
 sum of :mod:`sparsync.collectives.allgather` (stream format: sparse, or dense once sparse would not
@@ -16,7 +16,7 @@ Cost (ring all-gather, per rank; ``c_r`` entries selected by rank ``r``)::
     rounds = P - 1,   bytes_received = (P - 1) * max_r (8 + min(c_r (index_bytes + value_bytes), n value_bytes))
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the threshold kernel, one zero
+(:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the threshold kernel, one zero
 fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`), plus one pass per
 rank whose stream travels dense (when its selection is over the sparse/dense break-even).
 
@@ -35,27 +35,27 @@ from ..sparse import sum_in_rank_order
 from ..select.threshold import Workspace, check_threshold, initial_threshold, threshold_indices
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, sparse_is_smaller
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
 @register("hard_threshold")
-class HardThresholdReducer(BufferedAccumulator, Reducer):
+class HardThresholdReducer(Reducer):
     conserving = True
+    accepts_fold = True
+    checks_input = True
     supports_value_dtype = True  # half values on the wire, summed in fp32 (sum_in_rank_order)
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  reuse_buffers: bool = True, **rest):
+        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
         self.threshold = None if threshold is None else check_threshold(threshold)
-        self.reuse_buffers = bool(reuse_buffers)
         self._ws = Workspace()
 
     def _extra_state(self) -> dict:
         return {"threshold": self.threshold}
 
     def _load_extra_state(self, d: dict) -> None:
-        self._forget_buffers()
         if d.get("threshold") is not None:
             self.threshold = float(d["threshold"])
 
@@ -63,9 +63,9 @@ class HardThresholdReducer(BufferedAccumulator, Reducer):
         if self.threshold is None:
             self.threshold = initial_threshold(self.k)
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = threshold_indices(acc, self.threshold, workspace=self._ws)
-            _, vals = self.take_unsent(acc, idx)
+            _, vals = self.memory.take(acc, idx)
         with self.timed("comm"):
             bufs = self.comm.allgatherv(encode(SparseVec(idx, vals, self.numel, check=False)))
             payloads = [decode(b, self.numel, vals.dtype) for b in bufs]

@@ -45,6 +45,7 @@ import torch
 
 from ..sites import check_layout, site_layout
 from .base import VALUE_DTYPES, Reducer
+from .memory import cpu_copy
 from .registry import REDUCERS, make_reducer, register
 
 __all__ = ["HierReducer"]
@@ -83,6 +84,7 @@ class HierReducer(Reducer):
         self.conserving = bool(outer_cls.conserving) and (VALUE_DTYPES[value_dtype] is None
                                                           or outer_cls.value_dtype_conserving)
         self.layout: list[list[int]] | None = None
+        self._outer: Reducer | None = None
         self._site = self._cross = None
         self._stash = None  # outer state loaded before the outer reducer exists
 
@@ -104,9 +106,10 @@ class HierReducer(Reducer):
     # ------------------------------------------------------------------ residual (outer level)
     @property
     def residual(self) -> torch.Tensor | None:
-        outer = self.__dict__.get("_outer")
-        res = None if outer is None else outer.residual
-        pending = self.__dict__.get("_pending")
+        """The outer residual at this rank's shard (zeros elsewhere) plus what this reducer's own memory
+        holds: a residual assigned from outside, added to the next gradient."""
+        res = None if self._outer is None else self._outer.residual
+        pending = self.memory.residual
         if res is None:
             return pending
         full = torch.zeros(self.numel, dtype=res.dtype, device=res.device) if pending is None else pending.clone()
@@ -116,10 +119,9 @@ class HierReducer(Reducer):
 
     @residual.setter
     def residual(self, value) -> None:
-        self.__dict__["_pending"] = value
-        outer = self.__dict__.get("_outer")
-        if outer is not None:
-            outer.residual = None
+        self.memory.residual = value
+        if self._outer is not None:
+            self._outer.residual = None
 
     def _shard_range(self) -> tuple[int, int]:
         m, j = self._m, self._site.rank
@@ -149,9 +151,9 @@ class HierReducer(Reducer):
         if self._site is None:
             self._setup(n)
         site, s, m = self._site, self._site.world_size, self._m
-        pending = self.__dict__.get("_pending")
+        pending = self.memory.residual  # assigned from outside: added once, then the outer memory keeps it
         acc = grad if pending is None else grad + pending
-        self.__dict__["_pending"] = None
+        self.memory.residual = None
         if s * m != n:
             x = acc.new_zeros(s * m)
             x[:n] = acc
@@ -203,18 +205,17 @@ class HierReducer(Reducer):
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
-        outer = self.__dict__.get("_outer")
-        pending = self.__dict__.get("_pending")
+        outer = self._outer
         return {"layout": self.layout, "outer": outer.state_dict() if outer is not None else self._stash,
-                "pending": None if pending is None else pending.detach().cpu().clone()}
+                "pending": cpu_copy(self.memory.residual)}
 
     def _load_extra_state(self, d: dict) -> None:
         pending = d.get("pending")  # replaces what load_state_dict's residual assignment put there
-        self.__dict__["_pending"] = None if pending is None else pending.to(self.comm.device).clone()
+        self.memory.residual = None if pending is None else pending.to(self.comm.device).clone()
         if d.get("layout") is not None and self.layout is not None and d["layout"] != self.layout:
             raise ValueError(f"hier state was saved with sites {d['layout']}, this reducer has {self.layout}")
         state = d.get("outer")
-        outer = self.__dict__.get("_outer")
+        outer = self._outer
         if outer is not None and state is not None:
             outer.load_state_dict(state)
         else:

@@ -60,7 +60,6 @@ from ..select.threshold import (
 )
 from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
@@ -94,8 +93,10 @@ def check_cap_factor(cap_factor):
 
 
 @register("micro")
-class MicroReducer(BufferedAccumulator, Reducer):
+class MicroReducer(Reducer):
     conserving = True
+    accepts_fold = True  # the memory accumulates in place (reuse_buffers): a policy may fold into it
+    checks_input = True  # the memory's add checks the input in its pass
     supports_value_dtype = True
     value_dtype_conserving = True  # "owner" / "gather" keep every rounding; "allreduce" does not (set per instance)
     indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
@@ -111,6 +112,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
             raise ValueError(f"micro: values must be 'auto', 'owner', 'gather' or 'allreduce', got {values!r}")
         self.values = values = value_path(values, comm.world_size)
         self.value_dtype_conserving = values != "allreduce"  # read by Reducer.__init__
+        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__ (the memory's form)
         super().__init__(comm, density=density, **rest)
         self.threshold0 = None if threshold is None else check_threshold(threshold)
         rules = ("histogram",) + ThresholdController.RULES
@@ -124,7 +126,6 @@ class MicroReducer(BufferedAccumulator, Reducer):
         self.window = ThresholdWindow(spread, max_spread, bins, lead)  # the histogram rule's candidates
         self.cap_factor = check_cap_factor(cap_factor)
         self.force_nonempty = bool(force_nonempty)
-        self.reuse_buffers = bool(reuse_buffers)
         if gather not in ("direct", "ring"):
             raise ValueError(f"micro: gather must be 'direct' or 'ring', got {gather!r}")
         self.gather = gather
@@ -146,7 +147,6 @@ class MicroReducer(BufferedAccumulator, Reducer):
                 **self.window.state_dict()}
 
     def _load_extra_state(self, d: dict) -> None:
-        self._forget_buffers()
         self._bounds = None
         self.window.load_state_dict(d)
         c = d.get("controller")
@@ -192,7 +192,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         ``gather="direct"``: one batch of ``P - 1`` sends and receives of known size
         (``comm.allgather_direct``), recorded exactly like a ring all-gather (``P - 1`` rounds, messages and
         ``(P - 1) * nbytes`` each way), but all messages are in flight at once, where each step of
-        a ring needs every process scheduled (measured: ``docs/micro.md``, "Direct all-gathers").
+        a ring needs every process scheduled (``docs/micro.md``, "Direct all-gathers").
         ``"ring"``: ``comm.allgather``.
         """
         if self.gather == "ring" or self.comm.world_size == 1:
@@ -283,7 +283,7 @@ class MicroReducer(BufferedAccumulator, Reducer):
         calibrate = self.rule_options["rule"] == "histogram"
         window, center, estimate = self.window, self.controller.delta, None
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             if calibrate and window.take_data_window():
                 estimate = window.local_estimate(acc, start, end, self.controller.target, P, comm.rank)
         if calibrate:  # the estimates' all-gather is timed as comm
@@ -323,8 +323,8 @@ class MicroReducer(BufferedAccumulator, Reducer):
             if K:
                 with self.timed("comm_values"), comm.phase(self.name + ".values"):
                     # the values to send, and the residual keeps acc - sent there (half values: their
-                    # rounding error), in one visit (take_unsent; the union is ascending)
-                    mine, sent = self.take_unsent(acc, union)
+                    # rounding error), in one visit (memory.take; the union is ascending)
+                    mine, sent = self.memory.take(acc, union)
                     if self.values == "allreduce":
                         # the all-reduce of the values already rounded (wire_values leaves them as they are)
                         vals = self.allreduce_wire_values(sent)[1].to(acc.dtype)
@@ -335,12 +335,12 @@ class MicroReducer(BufferedAccumulator, Reducer):
                             sent, [lists[partition_owner(p, step, P)].numel() for p in range(P)], step,
                             acc.dtype)
         with self.timed("update"):
-            if K:  # take_unsent left acc - sent in the residual
+            if K:  # memory.take left acc - sent in the residual
                 if sum_err is not None:  # and the owner keeps its half sums' rounding error
                     acc.index_add_(0, lists[comm.rank], sum_err)
             else:
                 vals = acc.new_zeros(0)
-                self.residual = acc
+                self.memory.keep(acc)  # nothing sent
             out = IndexedSum(union, vals, self.numel)
         if calibrate:  # next window: centred on the threshold chosen now; wider if it hit an end
             window.chose(delta, j)

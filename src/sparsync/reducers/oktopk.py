@@ -1,4 +1,5 @@
-"""``oktopk``: Ok-Topk (Li & Hoefler), as characterised by SparDL (``spec/spardl.md`` §10).
+"""``oktopk``: Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP
+2022), as characterised by the SparDL paper.
 
 Per step on rank ``w``:
 
@@ -20,7 +21,7 @@ Per step on rank ``w``:
 
 **Steady state with error feedback** (why the defaults differ from the paper's 32-step reuse): with
 the residual kept between calls, a threshold estimated once and reused drifts far from the target.
-Measured on the thread cluster (4 ranks, issue 11's heavy-tailed workload, n = 2e5, 1 %): a local
+Measured on thread ranks (4 ranks, a heavy-tailed synthetic workload, n = 2e5, 1 %): a local
 threshold reused for 32 steps selected 3.6x ``k`` after 3 steps and 15x after 30 (it was estimated
 on an accumulator whose residual had not built up; every entry left below it keeps growing until it
 crosses), and a global threshold reused after an exact estimate selected 2.4-2.8x ``k`` from the
@@ -35,7 +36,7 @@ globally with the full sum of every rank's contribution (regions are disjoint, n
 inside a region) or dropped entirely, and then every contributor gets its own value back.
 
 Passes over the ``n`` entries per call (the rest is ``O(k)``): ``acc = grad + residual`` into a
-recycled buffer (:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k
+recycled buffer (:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`);
 which own entries the global selection kept is read off the output (:meth:`OkTopkReducer._in_global_set`).
 
@@ -54,7 +55,6 @@ import torch
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import coalesce_in_order, set_at
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 from ..select.exact import topk_indices as select_topk
 
@@ -62,7 +62,7 @@ from ..select.exact import topk_indices as select_topk
 #: snap to bin edges, so each region's share is off by at most one bin - about 1/64 (~1.6 %) of a
 #: region's ``k / P`` when selected indices spread evenly within bins - for a histogram all-reduce
 #: of ``64 P`` float64 (2 KiB at P = 4): one latency, negligible next to the data phases. Our choice,
-#: not the paper's (the spec fixes only the period, every 64 steps: ``balance_every``).
+#: not the paper's (the paper fixes only the period, every 64 steps: ``balance_every``).
 _BINS_PER_RANK = 64
 #: Threshold radix select (``_global_threshold``): 2^10 bins per level, i.e. 10 bits of the fp32
 #: pattern per level (the shifts 21 and 11 there: bits 30..21, then 20..11). Two levels give the
@@ -82,7 +82,10 @@ def _bits(th: float) -> int:
 
 
 @register("oktopk")
-class OkTopkReducer(BufferedAccumulator, Reducer):
+class OkTopkReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
+
     def __init__(self, comm, density=0.01, recompute_every=1, balance_every=64, **rest):
         super().__init__(comm, density=density, **rest)
         if int(recompute_every) < 1 or int(balance_every) < 1:
@@ -99,7 +102,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
         P, _w, n, k = comm.world_size, comm.rank, self.numel, self.k
         recompute = self.th_global is None or self.step % self.recompute_every == 0
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = select_topk(acc, k, self._scratch)
             vals = acc.index_select(0, idx)  # index_select/index_copy_: a third of [] indexing's time on CPU
             self.th_local = float(vals.abs().min()) if idx.numel() else 0.0
@@ -133,7 +136,7 @@ class OkTopkReducer(BufferedAccumulator, Reducer):
             for x in bufs:
                 fi, fv = unpack(x, 1, x.numel() // pb, acc.dtype)
                 set_at(out, fi[0], fv[0])
-            self.keep_unsent(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
+            self.memory.keep(acc, idx[self._in_global_set(out, idx)])  # the rest stays (end-procedure)
         return out
 
     def _in_global_set(self, out: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

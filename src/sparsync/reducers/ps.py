@@ -1,6 +1,6 @@
 """``ps``: local top-k with error feedback, summed through a synchronous sharded parameter server.
 
-The thesis' parameter-server baseline (``spec/sparcml.md`` §9) as a reducer: ``acc = grad + residual``,
+The thesis' parameter-server baseline (Renggli et al., "SparCML", SC 2019) as a reducer: ``acc = grad + residual``,
 send the ``k`` largest ``|acc|``, keep the rest as residual (conserving), and sum through
 :func:`sparsync.ps.ps_allreduce` with ``servers`` server ranks (default 1) instead of a collective.
 The result is bitwise identical on every rank (servers sum in rank order, everyone pulls the same
@@ -24,9 +24,9 @@ class ParameterServerReducer(Reducer):
 
     def _reduce(self, grad):
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx, vals = topk_abs(acc, self.k)
-            self.keep_unsent(acc, idx)
+            self.memory.keep(acc, idx)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
             out = ps_allreduce(SparseVec(idx, vals, self.numel, check=False), self.comm, servers=self.servers)

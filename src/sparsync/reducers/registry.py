@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from ..plugins import Registry
+from .base import check_capabilities
 
 REDUCERS = Registry(__package__, "reducer", skip=("base", "registry", "memory", "blockbase"))
 
 
 def register(name: str):
-    """Class decorator registering a :class:`~sparsync.reducers.base.Reducer` under ``name``."""
+    """Class decorator registering a :class:`~sparsync.reducers.base.Reducer` under ``name`` (its declared
+    capabilities checked: :func:`~sparsync.reducers.base.check_capabilities`)."""
 
     def deco(cls):
+        check_capabilities(cls)  # the declared capabilities, before the class is usable
         REDUCERS.add(name, cls)
         cls.name = name
         return cls

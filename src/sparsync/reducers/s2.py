@@ -1,6 +1,6 @@
 """``s2``: S2 Reducer — sparse gradients aggregated as a count sketch plus a block bitmap.
 
-``spec/s2reducer.md`` (Algorithm 1, §4). Per call, on every rank:
+Ge et al., "S2 Reducer", 2022 (Algorithm 1, §4). Per call, on every rank:
 
 1. sparsify: block-wise top-K by block L2 norm with local error feedback (dense gradients,
    :meth:`reduce`), or the touched rows of an embedding gradient (:meth:`reduce_sparse`, no error
@@ -15,13 +15,13 @@
    ``s_j(i) * S[j, h_j(i)]``; everything else is 0.
 
 The output is the estimate of the SUM over ranks (the contract: averaging happens in the trainer;
-the spec's "divide by W" implementation choice is therefore not applied here). Steps 3-4 are
+a "divide by W" variant is therefore not applied here). Steps 3-4 are
 deterministic functions of the all-reduced buffer, so the output is bitwise identical on all ranks.
 
 **The sketch is lossy.** Hash collisions add other elements' (signed) mass to an estimate; with
-``r = 1`` the estimate is unbiased over the random hashes (spec §6, Theorem 1) with variance
+``r = 1`` the estimate is unbiased over the random hashes with variance
 ``~ ||g_U||^2 / c`` per element, and a median of ``r >= 3`` rows concentrates but is not unbiased.
-Sizing (spec §5): ``c = columns`` if given, else ``c = ceil(ratio * alpha_d / r)`` with the paper's
+Sizing: ``c = columns`` if given, else ``c = ceil(ratio * alpha_d / r)`` with the paper's
 ``lambda = ratio`` (default 0.5) and ``alpha_d`` the *configured* per-rank non-zero count
 (``K * block_size`` for dense gradients; ``round(embedding_density * rows) * dim`` for embeddings) so
 the size is the same on every rank and every step.
@@ -44,7 +44,7 @@ paper's ``lambda = 0.5`` (the fed-back noise has ~``|U|/c`` times the sent energ
 ``rehash=True`` draws the hashes of call ``t`` from seed ``seed * 1_000_003 + t`` (same on every rank),
 so collision errors are independent across steps instead of repeating.
 
-Ring cost per rank (spec §7; ``b`` blocks, ``vb`` bytes per value), independent of overlap::
+Ring cost per rank, independent of overlap::
 
     rounds = 2 (P-1),   bytes_received = floor(2(P-1) (r c + b) vb / P)
 
@@ -152,7 +152,7 @@ class S2Reducer(BlockReducer):
         q_idx, own = self._own_query
         self._own_query = None
         acc.index_add_(0, q_idx, own, alpha=-1)  # residual = acc - Q_U(own sketch)
-        self.residual = acc
+        self.memory.keep(acc)
 
     # ------------------------------------------------------------------ state / cost
     def _config(self) -> dict:
@@ -171,7 +171,7 @@ class S2Reducer(BlockReducer):
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, block_size=256, rows=1, columns=None,
                        ratio=None, **_):
-        """One ring all-reduce of ``r*c`` sketch cells + ``b`` bitmap entries (spec §7).
+        """One ring all-reduce of ``r*c`` sketch cells + ``b`` bitmap entries.
 
         ``k`` = elements per rank; ``K = ceil(k / block_size)`` blocks and ``alpha_d = K * block_size``
         size the sketch exactly as the reducer does."""

@@ -1,6 +1,7 @@
 """``sparcml``: local selection with local error feedback, then a SparCML sparse all-reduce (§7.1).
 
-Per step (thesis Algorithm 2, ``spec/sparcml.md`` §7.1)::
+Per step (Renggli et al., "SparCML: High-Performance Sparse Communication for Machine Learning",
+SC 2019; the thesis' Algorithm 2)::
 
     acc = grad + residual
     (idx, vals) = select(acc)            # topk | bucketed | bucketed_topk | approx | approx_at_most
@@ -81,13 +82,13 @@ class SparCMLReducer(Reducer):
             with self.timed("comm"):
                 return self.comm.allreduce(grad)
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx, vals, real = self._select(acc)
             vals = self.wire_values(vals)
             if real is None:
-                self.keep_unsent(acc, idx, vals)
+                self.memory.keep(acc, idx, vals)
             else:  # bucketed padding carries no mass: acc stays there
-                self.keep_unsent(acc, idx[real], vals[real])
+                self.memory.keep(acc, idx[real], vals[real])
         self.stats["selected"] = idx.numel()
         opts = {"group_size": self.group_size} if self.algorithm in ("dsar_early_switch", "auto") else {}
         if self.algorithm == "auto" and self.selection in ("topk", "bucketed", "bucketed_topk"):

@@ -1,6 +1,7 @@
 """``spardl``: SparDL — Spar-Reduce-Scatter + (R-SAG | B-SAG) + Bruck all-gather with global residuals.
 
-Spec: ``spec/spardl.md`` (sections cited below; we follow its errata and implementation choices).
+Zhao et al., "SparDL: Distributed Deep Learning Training with Efficient Sparse Communication", ICDE
+2024 (section numbers below are the paper's).
 One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d``):
 
 1. ``A = grad + residual``, zero-padded to ``q*bs`` with ``bs = ceil(n/q)``, viewed as ``q`` blocks (§3).
@@ -12,6 +13,12 @@ One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d
    blocks in the same order into a dense output -> bitwise identical on all ranks.
 5. Residuals (§8): ``global`` (GRES, default, conserving), ``partial`` (PRES), ``local`` (LRES).
 
+Error feedback goes through the reducer's memory (:class:`~sparsync.reducers.memory.ErrorFeedback`),
+in its SparDL variant: ``memory.add(grad, padded=q*bs)`` writes ``A`` into one of its two alternating
+work buffers (the input check in that pass), the scheme turns ``A`` into the new residual in place,
+and ``memory.keep(residual)`` hands it back; a residual taken from ``r.residual`` is therefore
+overwritten two steps later.
+
 Passes over the ``n`` entries per call (everything else is ``O(k)``): ``A = grad + residual`` into
 one of two recycled work buffers, one read by the exact per-block top-k kernel (every block is
 selected once, when it is sent; the preserved block at the end), one zero fill of the recycled output
@@ -20,8 +27,6 @@ touched entries (:class:`~sparsync.spardl.residuals.WorkBuffer`); ``partial`` te
 final index set through a persistent flag vector (:class:`~sparsync.sparse.IndexFlags`), not by
 sorting, and ``global`` needs no membership test (``R`` is read on the final set before the restore
 and written back after it).
-Before these changes a call also page-faulted a fresh ``n``-element output and sorted the index lists
-in ``isin`` (profile in ``docs/benchmarks.md``, "2026-11-22 evening").
 
 Message sizes are all known in advance (``kb``/``L`` pairs per block, ``h`` per B-SAG item), so no size
 header travels. Per rank, with ``c = 4 + value_bytes`` bytes per pair (int32 block-local indices)::
@@ -120,7 +125,6 @@ class SparDLReducer(Reducer):
         self._trial: list[list[float]] = [[] for _ in self.candidates]
         self._controllers: dict[int, HController] = {}
         self._scratch: dict = {}  # reused selection buffers (|x|, mask), see select.exact.scratch_buffer
-        self._bufs: list[torch.Tensor | None] = [None, None]  # two work buffers, alternating
         self._final_set = IndexFlags()  # O(k) membership in the final index set (residuals)
 
     # ------------------------------------------------------------------ sizes
@@ -169,9 +173,9 @@ class SparDLReducer(Reducer):
         team_group = [team * q + i for i in range(q)]
         sag_group = [j * q + r for j in range(d)]
         with self.timed("select"):
-            A = self._work_buffer(q * bs, grad)
-            self.sum_checked(A[:n], grad, self.residual)  # the input check in the same pass (raises here)
-            A[n:].zero_()
+            # grad + residual, zero-padded to q*bs, in one of the memory's two alternating work buffers
+            # (the input check in the same pass: raises here); the residual of this step lives in it
+            A = self.memory.add(grad, padded=q * bs)
             work = WorkBuffer(A, q, bs)
         with comm.phase(f"{self.name}:srs"):
             idx, vals = spar_reduce_scatter(comm, work, kb, team_group, r, self.timed, self._scratch)
@@ -198,31 +202,12 @@ class SparDLReducer(Reducer):
             out = self.zeros_output(q * bs, grad.dtype, grad.device)  # recycled: no page faults
             add_at(out, fpos, fval)
             res = work.finish(self.residuals, fpos, self._final_set)
-            self.residual = res[:n]
+            self.memory.keep(res[:n])  # the residual the scheme collected (global, partial or local)
         self.stats["selected"] = q * kb
         self.stats["teams"] = self.label(d, kind)
         if self.auto_times:
             self.stats["auto_times"] = dict(self.auto_times)
         return out[:n]
-
-    def _work_buffer(self, numel, grad):
-        """One of two reused padded buffers: the one that does not hold the current residual.
-
-        The residual of step t lives in one buffer and A of step t+1 is written into the other, so
-        a residual tensor obtained from ``r.residual`` stays valid for one step only (``state_dict``
-        copies it). Reuse avoids page-faulting a fresh n-element buffer every step.
-        """
-        res_ptr = None if self.residual is None else self.residual.data_ptr()
-
-        def usable(x):
-            return x is not None and x.numel() == numel and x.dtype == grad.dtype and x.device == grad.device
-
-        for x in self._bufs:
-            if usable(x) and x.data_ptr() != res_ptr:
-                return x
-        slot = 1 if (usable(self._bufs[0]) and self._bufs[0].data_ptr() == res_ptr) else 0
-        self._bufs[slot] = torch.empty(numel, dtype=grad.dtype, device=grad.device)
-        return self._bufs[slot]
 
     # ------------------------------------------------------------------ state
     def _extra_state(self):

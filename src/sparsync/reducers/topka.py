@@ -1,13 +1,13 @@
 """``topka``: local exact top-k with local error feedback, then the all-gather sum (TopkA).
 
 Per step: ``acc = grad + residual``; send the ``k`` entries of largest ``|acc|``; the rest is the new
-residual (SparCML Algorithm 2, ``spec/sparcml.md`` §7.1). Communication: the ``allgather``
+residual (SparCML, Renggli et al., SC 2019, Algorithm 2). Communication: the ``allgather``
 collective (``rounds = P-1``, ``(P-1)*m`` bytes each way for a wire size ``m``); the union can grow
 to ``P*k`` entries (gradient build-up). Conserving, also with ``value_dtype="fp16"|"bf16"`` (values
 rounded before sending, rounding error kept in the residual, sum in fp32).
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`: no fresh allocation, no page faults), one
+(:class:`~sparsync.reducers.memory.ErrorFeedback`: no fresh allocation, no page faults), one
 read by the exact top-k kernel, one zero fill of the recycled output
 (:meth:`~sparsync.reducers.base.Reducer.zeros_output`); everything else is ``O(P k)``.
 """
@@ -20,12 +20,13 @@ from ..collectives.allgather import allgather
 from ..select.topk import topk_abs
 from ..sparse import SparseVec
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
 @register("topka")
-class TopkAReducer(BufferedAccumulator, Reducer):
+class TopkAReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
     supports_value_dtype = True  # half values on the wire, summed in fp32 by the allgather collective
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, **_):
@@ -37,10 +38,10 @@ class TopkAReducer(BufferedAccumulator, Reducer):
 
     def _reduce(self, grad):
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx, vals = topk_abs(acc, self.k, self.scratch)
             vals = self.wire_values(vals)
-            self.keep_unsent(acc, idx, vals)
+            self.memory.keep(acc, idx, vals)
         self.stats["selected"] = idx.numel()
         with self.timed("comm"):
             out = self.zeros_output(self.numel, torch.promote_types(vals.dtype, torch.float32), acc.device)

@@ -1,4 +1,4 @@
-"""``topkdsa``: SparCML's split all-gather (TopkDSA in the SparDL paper, ``spec/spardl.md`` §10).
+"""``topkdsa``: SparCML's split all-gather (Renggli et al., SC 2019; TopkDSA in the SparDL paper).
 
 Per step: ``acc = grad + residual``; exact local top-``k`` (one-pass kernel,
 :func:`sparsync.select.exact.topk_indices`) with local error feedback (conserving: everything selected
@@ -12,7 +12,7 @@ is delivered exactly). Then
    is not smaller — the union can grow up to ``P*k`` entries per range.
 
 Passes over the ``n`` entries per call: ``acc = grad + residual`` into a recycled buffer
-(:class:`~sparsync.reducers.memory.BufferedAccumulator`), one read by the exact top-k kernel, one write
+(:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k kernel, one write
 of the recycled dense output (:meth:`~sparsync.reducers.base.Reducer.output_buffer`); the owner's sum
 of its range is sparse (:func:`sparsync.sparse.sum_streams`, one sort of the ~``k`` received entries)
 while it is smaller than dense, so no dense scratch of ``n/P`` either.
@@ -31,7 +31,6 @@ from ..select.exact import topk_indices
 from ..spardl.bruck import bruck_rounds
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, index_dtype_for, set_at, sum_streams
 from .base import Reducer
-from .memory import BufferedAccumulator
 from .registry import register
 
 
@@ -52,7 +51,10 @@ def _item_len(buf: torch.Tensor, start: int, numel: int, vb: int) -> int:
 
 
 @register("topkdsa")
-class TopkDSAReducer(BufferedAccumulator, Reducer):
+class TopkDSAReducer(Reducer):
+    accepts_fold = True
+    checks_input = True
+
     def __init__(self, comm, density=0.01, **rest):
         super().__init__(comm, density=density, **rest)
         self._scratch: dict = {}
@@ -61,9 +63,9 @@ class TopkDSAReducer(BufferedAccumulator, Reducer):
         comm = self.comm
         P, w, n = comm.world_size, comm.rank, self.numel
         with self.timed("select"):
-            acc = self.accumulate(grad)
+            acc = self.memory.add(grad)
             idx = select_topk(acc, self.k, self._scratch)
-            vals, _ = self.take_unsent(acc, idx)
+            vals, _ = self.memory.take(acc, idx)
             ps = -(-n // P)
             bounds = [min(n, j * ps) for j in range(P + 1)]
             cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device)).tolist()

@@ -1,12 +1,11 @@
-"""Per-message cost model ``t(M) = a + b*M`` with ``M`` in **bytes** of gradient (spec §2 eq. 10, §5.2).
+"""Per-message cost model ``t(M) = a + b*M`` with ``M`` in **bytes** of gradient.
 
 Two sources:
 
 * :meth:`CostModel.measure` — time the chosen reducer on the live group over a geometric size sweep
   (one warm-up call, then the median of ``reps`` calls per size, max over ranks so every rank
   holds the same numbers), fit ordinary least squares, broadcast from rank 0, report ``R^2``.
-  This is what :class:`sparsync.SparseDDP` does for ``merge="mgwfbp"|"optimal"`` (spec §5.2; we
-  use fewer sizes and repetitions than the spec's 2^10..2^26 x 20 to keep start-up short).
+  This is what :class:`sparsync.SparseDDP` does for ``merge="mgwfbp"|"optimal"``.
   For a sparse reducer the fitted ``b`` includes its selection time per gradient byte.
 * :meth:`CostModel.from_formula` — the alpha-beta model of the reducer's registry formula
   (``Reducer.predicted_cost``: rounds and bytes received per rank), ``t = rounds*alpha +

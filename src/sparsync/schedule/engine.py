@@ -1,6 +1,7 @@
 """Overlap engine: gradient hooks feeding one communication thread per rank, group by group.
 
-This is the machinery behind :class:`sparsync.SparseDDP` (``spec/mgwfbp.md`` §5, Algorithm 2, in
+This is the machinery behind :class:`sparsync.SparseDDP` (MG-WFBP: Shi, Chu & Li, "MG-WFBP: Efficient
+Data Communication for Distributed Synchronous SGD Algorithms", INFOCOM 2019, Algorithm 2, in
 PyTorch form). It orchestrates parts that each have one job:
 
 * :mod:`.planner` - which parameters travel together (merge plan; profiling + cost-model fit for
@@ -10,6 +11,8 @@ PyTorch form). It orchestrates parts that each have one job:
 * :mod:`.buffers` - one persistent flat gradient buffer per group, ``.grad`` as views into it
   (no per-step ``cat``/split, the division by P folded into the write-back pass);
 * :mod:`.guards` - non-finite / unused-parameter policy, identical decisions on every rank;
+* :mod:`.inputs` - one group's input to its reducer: gathered, checked, through the convergence
+  policy (folded into the reducer's memory where both declare it);
 * :mod:`.worker` - the FIFO communication thread;
 * :mod:`.stepstats` - ``last_stats`` (a step breakdown in which the wait is fully accounted for) and
   the timeline;
@@ -25,16 +28,20 @@ At the end of backward (a callback queued on the autograd engine), parameters th
 contribute zeros, the engine waits for every group, applies the guard's decision and writes
 ``sum / P`` into the flat buffers (``.grad`` views).
 
-Two cheap paths (issue 10): a policy with ``reads_parts`` (momentum correction) reads the
-per-parameter gradients itself, so nothing is gathered; a reducer with ``indexed_output`` returns an
-:class:`~sparsync.reducers.base.IndexedSum` and the write-back clears only last step's non-zeros
-(:meth:`GradBuffers.write_indexed`), instead of a zero-filled dense output and a divide pass.
+The engine reads declared capabilities, never probes: the reducer class's ``sparse_input``,
+``indexed_output`` and ``accepts_fold`` (:data:`sparsync.reducers.base.CAPABILITIES`), the policy's
+``reads_parts`` and ``folds`` (:class:`sparsync.convergence.ConvergencePolicy`, checked at
+construction); the cheap input paths they open are in :mod:`.inputs`. A reducer with
+``indexed_output`` returns an :class:`~sparsync.reducers.base.IndexedSum` and the write-back clears
+only last step's non-zeros (:meth:`GradBuffers.write_indexed`) instead of a dense divide pass.
 
-Delayed averaging (``delay=1``, docs/engine.md): nothing is submitted during backward; at its end
+Delayed averaging (``delay=1``): nothing is submitted during backward; at its end
 the previous step's result is applied and this step's reduces are queued, to run while the caller
 computes the next step (:meth:`OverlapEngine._finish_delayed`). Each step's communication is one
 :class:`~.stepcomm.StepComm` (outputs, guard inputs, error, completion event, accounting), which
-with a delay outlives its step and is part of the state.
+with a delay outlives its step and is part of the state. The module stays one class of under 500
+lines: the step's life cycle (hooks, submission, finish, delayed finish, write-back, state) is one
+state machine around one lock; every stage it drives lives in the modules above.
 """
 
 from __future__ import annotations
@@ -45,11 +52,13 @@ import traceback
 
 import torch
 
+from ..convergence import ConvergencePolicy
 from ..reducers.base import IndexedSum
 from ..reducers.registry import load_all, make_reducer
 from .buffers import GradBuffers
 from .groups import check_cover, migrate_reducers, split_groups
-from .guards import StepGuard, all_finite
+from .guards import StepGuard
+from .inputs import InputStage
 from .merge import STRATEGIES
 from .planner import Planner
 from .stepcomm import StepComm
@@ -88,8 +97,7 @@ class OverlapEngine:
         self.sizes = [p.numel() * p.element_size() for p in self.params]
         self.numels = [p.numel() for p in self.params]
         self.cuda = any(p.is_cuda for p in self.params)
-        has_sparse = hasattr(reducers[reducer], "reduce_sparse")
-        self.sparse_path = set(sparse_params) if has_sparse else set()
+        self.sparse_path = set(sparse_params) if reducers[reducer].sparse_input else set()
         self.planner = Planner(merge, self.sizes, profile_warmup=profile_warmup, profile_steps=profile_steps,
                                cost_model=cost_model, profile=profile, cost_max_bytes=cost_max_bytes)
         if self.delay and not self.planner.final:
@@ -97,9 +105,12 @@ class OverlapEngine:
                              f"buckets:<MB>, or {merge} with profile= and cost_model=): the plan switch after "
                              "profiling would change the groups under a step still in flight")
         self.buffers = GradBuffers(self.params)
+        self.inputs = InputStage(self.params, self.numels, self.buffers, self.guard, self.policy, self.sparse_path)
         self._inflight: StepComm | None = None  # delay=1: the previous step's communication, not applied yet
         self.steps_done = 0
         self.skipped_steps = 0
+        self.groups: list[list[int]] = []
+        self.reducers: list = []
         self._set_groups(self.planner.initial_plan(), migrate=False)
         self.timeline = Timeline(timeline, comm.rank, comm.world_size, timeline_steps) if timeline else None
         self.sync_enabled = True
@@ -152,7 +163,7 @@ class OverlapEngine:
     def _set_groups(self, groups, migrate=True):
         groups = split_groups(groups, self.params, self.sparse_path)
         check_cover(groups, self.n)
-        old_groups, old_reducers = getattr(self, "groups", None), getattr(self, "reducers", None)
+        old_groups, old_reducers = self.groups, self.reducers
         self.groups = groups
         self.group_of = [0] * self.n
         for gi, g in enumerate(groups):
@@ -162,9 +173,8 @@ class OverlapEngine:
         self.buffers.set_groups(groups)
         if migrate and old_reducers:
             self.reducers = migrate_reducers(old_groups, old_reducers, groups, self.numels, self._new_reducer)
-            regroup = getattr(self.policy, "on_regroup", None)
-            if regroup is not None:
-                regroup(old_groups, groups, self.numels)
+            if self.policy is not None:
+                self.policy.on_regroup(old_groups, groups, self.numels)
         else:
             self.reducers = [self._new_reducer() for _ in groups]
 
@@ -329,64 +339,8 @@ class OverlapEngine:
         rec.stats.add_reducer_stats(r.stats)
 
     def _group_input(self, rec, g, grads, span, own=False):
-        """The group's local input: a coalesced COO tensor on the sparse path, else the flat
-        gradient as the reducer should see it (:meth:`_dense_input`). ``own``: never the ``.grad``
-        buffer itself (``delay=1`` writes that buffer while the input is being reduced)."""
-        idx = self.groups[g]
-        if len(idx) == 1 and idx[0] in self.sparse_path:
-            x = self._sparse_input(rec, g, grads[0])
-            span.mark("check")
-            return x
-        return self._dense_input(rec, g, grads, self.reducers[g], span, own=own)
-
-    def _dense_input(self, rec, g, grads, r, span, own=False):
-        """The group's flat local gradient as the reducer should see it (policy applied).
-
-        With a policy that reads the per-parameter gradients itself (momentum correction:
-        ``u = m u + g`` slice by slice) nothing is copied into a flat buffer first, and where the
-        reducer accumulates in place (``folding_buffer``) the policy adds its output into the
-        reducer's residual in the same pass (``fold_into``); otherwise the
-        gradients are gathered (:meth:`GradBuffers.gather`; into the input-only buffer when the
-        reducer returns an :class:`IndexedSum` or when ``own`` is set, so the ``.grad`` buffer stays
-        cheap to clear, or free to be written)."""
-        parts = getattr(self.policy, "reads_parts", False)
-        if parts:
-            span.mark("copy")
-            if self.guard.checks and not all(all_finite(gr) for gr in grads if gr is not None):
-                rec.bad_local.append(g)
-                grads = [None] * len(grads)
-            span.mark("check")
-            numels, like = [self.numels[i] for i in self.groups[g]], self.params[self.groups[g][0]]
-            target = None  # the reducer's residual, when the policy can add its output there in its own pass
-            if getattr(self.policy, "folds", False) and hasattr(r, "folding_buffer"):
-                target = r.folding_buffer(sum(numels), like.dtype, like.device)
-            if target is None:
-                x = self.policy.before_reduce_parts(g, grads, numels, like, r)
-            else:
-                x = self.policy.before_reduce_parts(g, grads, numels, like, r, fold_into=target)
-                r.mark_folded(x)
-            span.mark("policy")
-            return x
-        keep = own or bool(getattr(r, "indexed_output", False))
-        x, copied = self.buffers.gather(g, grads, keep_output=keep, always_copy=own)
-        rec.stats.copied_bytes += copied
-        span.mark("copy")
-        if self.guard.checks and not all_finite(x):
-            rec.bad_local.append(g)
-            x.zero_()
-        span.mark("check")
-        if self.policy is not None:
-            x = self.policy.before_reduce(g, x, r)
-            span.mark("policy")
-        return x
-
-    def _sparse_input(self, rec, g, gr):
-        p = self.params[self.groups[g][0]]
-        x = _empty_coo(p) if gr is None else (gr if gr.is_sparse else gr.to_sparse(1)).coalesce()
-        if self.guard.checks and not bool(torch.isfinite(x._values()).all()):
-            rec.bad_local.append(g)
-            x = _empty_coo(p)
-        return x
+        """Group ``g``'s input to its reducer (:class:`.inputs.InputStage`)."""
+        return self.inputs.build(rec, g, self.groups[g], grads, self.reducers[g], span, own=own)
 
     def _final_exchange(self, rec):
         try:
@@ -509,22 +463,16 @@ class OverlapEngine:
         self._worker.close()
 
 
-_POLICY_METHODS = ("density", "before_reduce", "after_reduce", "state_dict", "load_state_dict")
-
-
 def _check_policy(policy):
-    """The engine side of the convergence-policy protocol (``sparsync.convergence.GradientPolicy``)."""
+    """The policy's declared interface (:class:`sparsync.convergence.ConvergencePolicy`), checked once."""
     if policy is None:
         return None
-    missing = [m for m in _POLICY_METHODS if not callable(getattr(policy, m, None))]
-    if missing:
-        raise TypeError(f"policy= needs the methods {', '.join(_POLICY_METHODS)} (see "
-                        f"sparsync.convergence.GradientPolicy); {type(policy).__name__} lacks {', '.join(missing)}")
+    if not isinstance(policy, ConvergencePolicy):
+        raise TypeError(f"policy= needs a sparsync.convergence.ConvergencePolicy (subclass it and override density, "
+                        f"before_reduce, after_reduce, state_dict, load_state_dict as needed), got "
+                        f"{type(policy).__name__}")
+    for cap, v in (("reads_parts", policy.reads_parts), ("folds", policy.folds)):
+        if not isinstance(v, bool):
+            raise TypeError(f"policy {type(policy).__name__}: {cap} must be a bool, got {v!r}")
     return policy
 
-
-def _empty_coo(p):
-    """An all-zero gradient in the embedding layout (hybrid COO, one sparse dimension)."""
-    return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64, device=p.device),
-                                   torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device), p.shape,
-                                   check_invariants=True, is_coalesced=True)

@@ -4,8 +4,8 @@ A merge plan (:mod:`.merge`) gives consecutive runs of parameters in gradient-re
 they become communication groups (one reducer and one flat buffer each) they are split so that a
 group never mixes dtypes or devices, and a parameter on the sparse path (``reduce_sparse``) travels
 alone. When the plan changes (end of profiling for ``mgwfbp``/``optimal``), residuals move with
-their parameters: error feedback must not lose mass at a switch (``spec/mgwfbp.md`` §5,
-``DESIGN.md`` "conserving").
+their parameters: error feedback must not lose mass at a switch (the
+conservation identity of :mod:`sparsync.reducers.base`).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Merge plans: which consecutive gradient tensors travel together as one message (``spec/mgwfbp.md``).
+"""Merge plans: which consecutive gradient tensors travel together as one message (MG-WFBP: Shi, Chu & Li,
+INFOCOM 2019).
 
 Everything here works in **backward order**: index 0 is the first tensor whose gradient is ready
 (the paper's layer ``L``), index ``L-1`` the last (layer 1). A plan is a list of half-open ranges
 ``(start, end)`` covering ``0..L`` in order; each range is one message (one reducer call).
 
-Timeline model (spec §2, eqs. 6-8 with merging, eqs. 12-14). With ``t_b[k]`` the backward time of
+Timeline model. With ``t_b[k]`` the backward time of
 tensor ``k`` and ``C[k] = t_b[0] + ... + t_b[k]`` its ready time (forward time excluded, as in
 Algorithm 1), a group ``[i, j)`` of ``S = sizes[i] + ... + sizes[j-1]`` bytes starts at
 ``max(finish of previous group, C[j-1])`` and takes ``a + b*S``. The predicted iteration time
@@ -17,8 +18,8 @@ Strategies (all take the same inputs: ``t_b``, ``sizes`` in bytes, ``a``, ``b``)
 * ``single``: one message after backward (SyncEASGD, eq. 9).
 * ``buckets:<MB>``: fill a bucket in backward order and close it once it holds >= MB MiB (DDP's
   ``bucket_cap_mb``; the model is not consulted).
-* ``mgwfbp``: the paper's Algorithm 1, verbatim (spec §4), O(L^2). Not always optimal (spec §4.1).
-* ``optimal``: the exact dynamic program of spec §4.1,
+* ``mgwfbp``: the paper's Algorithm 1, verbatim, O(L^2). Not always optimal.
+* ``optimal``: the exact dynamic program of the paper's §4.1,
   ``F[j] = min_{i<j} max(F[i], C[j-1]) + a + b*S(i, j)``, O(L^2) (vectorised over ``i``).
 """
 
@@ -123,7 +124,7 @@ def plan_buckets(sizes, cap_bytes: float) -> Groups:
 
 
 def plan_mgwfbp(t_b, sizes, a: float, b: float) -> Groups:
-    """The paper's Algorithm 1 (spec §4), line by line, in its 1-indexed layer numbering.
+    """The paper's Algorithm 1, line by line, in its 1-indexed layer numbering.
 
     Layer ``l`` is tensor ``L - l`` in backward order. ``merged[l]`` means layer ``l``'s gradient is
     appended to layer ``l-1``'s message; a message closes at every normal layer.
@@ -170,7 +171,7 @@ def optimal_table(t_b, sizes, a: float, b: float) -> tuple[list[float], list[lis
 
     ``F[j]`` = earliest finish of the first ``j`` tensors' messages when a group ends at ``j-1``;
     ``options[j]`` = ``[(i, units, finish), ...]`` for every ``i < j`` (group = tensors ``i..j-1``),
-    ``F[j] = min_i finish`` (``spec/worked-examples.md`` §5.2 prints this table).
+    ``F[j] = min_i finish``.
     """
     t_b, sizes = _arrays(t_b, sizes)
     L = len(t_b)
@@ -187,7 +188,7 @@ def optimal_table(t_b, sizes, a: float, b: float) -> tuple[list[float], list[lis
 
 
 def plan_optimal(t_b, sizes, a: float, b: float) -> Groups:
-    """Exact minimum of the predicted iteration time over all contiguous groupings (spec §4.1).
+    """Exact minimum of the predicted iteration time over all contiguous groupings.
 
     ``F[j] = min_{i<j} max(F[i], C[j-1]) + a + b*(P[j] - P[i])`` with prefix sums ``P``
     (:func:`optimal_table`). A group's start is monotone in the previous finish, so keeping the

@@ -1,7 +1,7 @@
 """Plan search for the overlap engine: which parameters travel together, and when the plan is final.
 
 ``merge="wfbp"|"single"|"buckets:<MB>"`` is final from the start (no model needed). For
-``merge="mgwfbp"|"optimal"`` (``spec/mgwfbp.md`` §4-5) the first ``profile_warmup + profile_steps``
+``merge="mgwfbp"|"optimal"`` (MG-WFBP, Shi, Chu & Li, INFOCOM 2019, §4-5) the first ``profile_warmup + profile_steps``
 steps run with the provisional ``single`` plan (nothing is sent during backward, so the measured
 backward times are undisturbed); the :class:`Planner` records the gradient-ready order and times,
 and at the end of the last profiled step - the same step on every rank - takes rank 0's profile,

@@ -1,4 +1,4 @@
-"""Per-tensor backward times ``t_b^(l)`` and the gradient-ready order (spec §5.1).
+"""Per-tensor backward times ``t_b^(l)`` and the gradient-ready order.
 
 PyTorch does not promise reverse-registration order, so the profiler records the order in which
 post-accumulate-grad hooks fire; tensor ``k`` of that order gets ``t_b[k] = ready[k] - ready[k-1]``
@@ -6,7 +6,7 @@ post-accumulate-grad hooks fire; tensor ``k`` of that order gets ``t_b[k] = read
 output arrives). On CUDA every hook synchronises the device first (the paper's method: kernels of
 different tensors may overlap, so only synchronised timestamps are attributable). Over several
 profiled iterations the per-tensor median is taken; :meth:`BackwardProfile.broadcast` sends rank 0's
-profile to every rank so all ranks compute the same plan (spec §5, Algorithm 2 lines 5-8).
+profile to every rank so all ranks compute the same plan.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ worked on are ``wait_idle_s`` (hand-off to the thread, the optional flag exchang
 
 and ``cpu_wait_s`` is the part of the communication thread's non-``comm`` work during which it
 was not on a CPU (``time.thread_time`` vs wall time): runnable but waiting for a core (ranks share
-cores) or for the GIL. That is the "wait for CPU" the issue-10 table asks to explain.
+cores) or for the GIL.
 """
 
 from __future__ import annotations

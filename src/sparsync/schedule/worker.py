@@ -3,7 +3,7 @@
 Used by :class:`~sparsync.schedule.engine.OverlapEngine` and by the asynchronous torch-DDP hook
 (:class:`sparsync.ddp.DDPHook`). Every rank submits its collectives in the same order (plan order,
 or DDP's bucket order), and a single FIFO thread keeps that order while the caller's thread (the
-autograd engine) goes on computing: the overlap of ``spec/mgwfbp.md`` §5 (Algorithm 2).
+autograd engine) goes on computing: the overlap of MG-WFBP's Algorithm 2.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""SparDL building blocks (``spec/spardl.md``): bags/peers, SRS, Bruck all-gather, R-SAG/B-SAG, Algorithm 2.
+"""SparDL building blocks (Zhao et al., ICDE 2024): bags/peers, SRS, Bruck all-gather, R-SAG/B-SAG, Algorithm 2.
 
 The reducer that ties them together is :mod:`sparsync.reducers.spardl` (``make_reducer("spardl")``).
 """

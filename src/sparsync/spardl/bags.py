@@ -1,11 +1,11 @@
-"""Spar-Reduce-Scatter bag and peer arithmetic for any group size (``spec/spardl.md`` §4.1-4.2).
+"""Spar-Reduce-Scatter bag and peer arithmetic for any group size (SparDL paper §4).
 
 For team-local rank ``r`` in a group of ``q`` members, ``l = ceil(log2 q)`` and ``E = q - 2^(l-1)``:
 ``B[0] = {r}`` (preservation bag), ``B[j] = {r + 2^(j-1), ..., r + 2^j - 1}`` for ``j < l`` and the
 last bag ``B[l]`` holds the ``E`` remaining blocks (all mod ``q``). At step ``i = 1..l`` worker ``r``
 sends bag ``B[l-i+1]`` to ``(r + 2^(l-i)) mod q`` and receives the same-numbered bag of
 ``(r - 2^(l-i)) mod q``, whose blocks are ``r, r+1, ..., r+|bag|-1`` (mod q) — a subset of the blocks
-``r`` still holds (Theorem 1; worked examples P = 5, 6 in ``spec/worked-examples.md`` §1).
+``r`` still holds (the paper's Theorem 1).
 
 Bags are always runs of consecutive blocks modulo ``q``; :func:`runs` splits a bag into at most two
 contiguous slices so selection can work on views of the ``[q, bs]`` block matrix without copies.

@@ -1,8 +1,8 @@
 """Exact per-block top-k by magnitude for SparDL, plus a deterministic top-k for shared data.
 
-SparDL sends exactly ``kb`` entries per block (``spec/spardl.md`` §3, §4.3), so per-block selection
+SparDL sends exactly ``kb`` entries per block (SparDL paper §3-4), so per-block selection
 must be *exact* (the fixed message size depends on it) — but ``torch.topk`` over millions of
-elements costs as much as a dense all-reduce at 1 Gbit/s on CPU (``DESIGN.md`` "Performance facts").
+elements can cost as much as the dense all-reduce it is meant to replace.
 
 :func:`block_topk` selects the ``k`` largest ``|x|`` of every row of a 2-D view (rows = equal-size
 blocks) with the exact kernel of :mod:`sparsync.select.exact` (sampled bracket, one compaction pass

@@ -1,4 +1,4 @@
-"""Bruck all-gather for any group size (``spec/spardl.md`` §5; traces p = 5, 6 in worked-examples §2).
+"""Bruck all-gather for any group size (Bruck et al., IEEE TPDS 1997; SparDL paper §5).
 
 Member ``r`` of a group of ``p`` starts with ``buf = [own]``; at round ``s`` (``2^s < p``) it sends
 the first ``cnt = min(2^s, p - 2^s)`` items to ``(r - 2^s) mod p`` and appends ``cnt`` items received

@@ -1,7 +1,7 @@
-"""B-SAG compression-ratio controller, SparDL Algorithm 2 (``spec/spardl.md`` §7.2).
+"""B-SAG compression-ratio controller, SparDL Algorithm 2 (Zhao et al., ICDE 2024).
 
-State ``h`` (pre-selection size), ``step``, ``flag``; ``L = d k / P``. Order (implementation choice of
-the spec, = reference snapshot): the first B-SAG runs with ``h = k/P``; after each B-SAG the measured
+State ``h`` (pre-selection size), ``step``, ``flag``; ``L = d k / P``. Order (an implementation choice,
+as the reference code): the first B-SAG runs with ``h = k/P``; after each B-SAG the measured
 ``N_t`` (distinct nonzero indices after the all-gather sum) drives::
 
     if (N_t > L) XOR (step > 0):   # still the right direction
@@ -10,16 +10,15 @@ the spec, = reference snapshot): the first B-SAG runs with ``h = k/P``; after ea
         step = -step / 2; flag = False
     h = h + step
 
-Too many gradients (``N_t > L``) moves ``h`` down — the algorithm, not the paper's prose
-([ERRATUM]). ``h`` and ``step`` are floats. Bounds (spec §7.2 "[AMBIGUOUS] bounds and integrality",
-implementation choice ``h = clamp(round(h), ceil(k/P), L)``): the *stored* state is clamped, not only
+Too many gradients (``N_t > L``) moves ``h`` down — the algorithm, not the paper's prose. ``h`` and
+``step`` are floats. Bounds (the paper leaves them open; implementation choice
+``h = clamp(round(h), ceil(k/P), L)``): the *stored* state is clamped, not only
 the value used — ``h`` to ``[ceil(k/P), L]`` and ``|step|`` to ``[1, max(1, L - ceil(k/P))]`` — so a
 run that keeps pushing against one bound (persistently sparse gradients: ``N_t <= L`` forever) cannot
 wind ``h``/``step`` up to ``inf`` (it used to raise ``OverflowError`` at ``round(inf)`` after ~2047
 steps). A step never needs to exceed the whole range, and one element is the smallest step that can
-move the integer ``h`` used (the spec's integer variant uses the same minimum magnitude of 1). Every
-member of a B-SAG group sees the same ``N_t``, so their controllers stay identical. Trace:
-``spec/worked-examples.md`` §4.
+move the integer ``h`` used (an integer variant would use the same minimum magnitude of 1). Every
+member of a B-SAG group sees the same ``N_t``, so their controllers stay identical.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ import math
 
 __all__ = ["HController"]
 
-MIN_STEP = 1.0  # elements: smaller steps cannot change round(h) reliably (spec §7.2, integer variant)
+MIN_STEP = 1.0  # elements: smaller steps cannot change round(h) reliably
 
 
 class HController:
@@ -38,7 +37,7 @@ class HController:
         self.h_min = min(self.L, max(1, math.ceil(self.k / self.P)))
         self.max_step = max(MIN_STEP, float(self.L - self.h_min))
         self.h = self.k / self.P
-        self.step = 0.01 * self.k * (self.d - 1) / self.P  # Alg. 2 line 1 (spec §7.2): 1 % of the range L - k/P
+        self.step = 0.01 * self.k * (self.d - 1) / self.P  # Alg. 2 line 1: 1 % of the range L - k/P
         self.flag = False
 
     @property

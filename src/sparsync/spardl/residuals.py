@@ -1,4 +1,4 @@
-"""The working buffer of one SparDL step and the three residual schemes (``spec/spardl.md`` §8).
+"""The working buffer of one SparDL step and the three residual schemes (SparDL paper §8).
 
 One dense buffer ``X`` (length ``q*bs``, viewed as ``[q, bs]`` blocks) starts as ``A = grad + residual``
 and is turned *in place* into the paper's in-procedure store ``R_w``: a block's selected positions are

@@ -1,4 +1,4 @@
-"""Spar-Reduce-Scatter (``spec/spardl.md`` §4.3, Algorithm 1 lines 4-11) over fixed-capacity messages.
+"""Spar-Reduce-Scatter (SparDL paper, Algorithm 1 lines 4-11) over fixed-capacity messages.
 
 A block is sparsified (exact top-``kb`` by magnitude, :func:`~sparsync.spardl.blocksel.block_topk`)
 only at the moment it is sent, after everything received for it has been added in; the preserved

@@ -1,11 +1,11 @@
-"""Spar-All-Gather across teams: R-SAG (``d = 2^i``) and B-SAG (any ``d``), ``spec/spardl.md`` §6-7.
+"""Spar-All-Gather across teams: R-SAG (``d = 2^i``) and B-SAG (any ``d``), SparDL paper §6-7.
 
 Teams are contiguous (team ``j = w // q``, local rank ``r = w % q``); the SAG group of ``w`` is
 ``{j*q + r : j = 0..d-1}`` (the members holding block ``r`` of their own team).
 
 R-SAG: ``log2 d`` exchanges with the member of team ``j XOR 2^t``, each of exactly ``L`` pairs (pad
 with zero values); both partners sum in canonical team order (lower team first), keep the top-``L``
-(ties -> smaller index) and store ``2^-(t+1)`` of the discard in ``R`` (the spec's corrected share:
+(ties -> smaller index) and store ``2^-(t+1)`` of the discard in ``R`` (the corrected share:
 after exchange ``t`` the data is held by ``2^(t+1)`` workers).
 
 B-SAG: keep the top-``h`` of the held block (``h`` from Algorithm 2, :mod:`.controller`), store the
