@@ -7,7 +7,7 @@
     loss = loss_fn(ddp(x), y); loss.backward()   # .grad = average over ranks (sum / P)
     opt.step(); ddp.last_stats                   # select_s, comm_s, wait_s, bytes, density, groups, ...
 
-What it does (``spec/mgwfbp.md`` §5, issue 6):
+What it does (wait-free backpropagation with merged gradients: Shi et al., "MG-WFBP", INFOCOM 2019):
 
 * at construction: checks that every rank has the same trainable parameters (count, shapes, dtypes;
   a clear ``ValueError`` naming the first difference otherwise), broadcasts parameters and buffers

@@ -63,7 +63,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # codes
 VALUE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 #: the declared capabilities of a reducer class: each a ``bool`` class attribute (defaults on :class:`Reducer`)
 CAPABILITIES = ("has_memory", "accepts_fold", "indexed_output", "sparse_input", "checks_input", "conserving",
-                "supports_value_dtype", "value_dtype_conserving", "reuse_buffers")
+                "supports_value_dtype", "value_dtype_conserving", "reuse_buffers", "staged")
 
 
 class IndexedSum(NamedTuple):
