@@ -1,7 +1,8 @@
 """``sparsync`` command line. Subcommands live in :mod:`sparsync.commands`, one module each.
 
 Each module there defines ``register(subparsers)`` that adds its parser and sets ``func`` (a
-callable taking the parsed args and returning an exit code). Modules are discovered automatically.
+callable taking the parsed args and returning an exit code). Modules are discovered automatically;
+one whose name starts with ``_`` holds pieces of a subcommand and is skipped.
 
 User errors (a bad option, an unknown name, a rate that cannot be read) are one line on stderr and
 exit code 2, never a traceback: argparse's own errors through :class:`Parser`, errors found while
@@ -83,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = add_parser
     for mod in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if mod.name.startswith("_"):  # a piece of a subcommand, not one
+            continue
         importlib.import_module(f"{commands.__name__}.{mod.name}").register(sub)
     return parser
 

@@ -5,7 +5,7 @@ each timed step starts with a barrier so the ranks begin together (and ends with
 untimed preparation of the next step overlaps another's timed call), the step's time is the MAX over
 ranks (the slowest rank gates a synchronous data-parallel step) and a configuration's time is the
 MEDIAN over steps (robust to the noise of a shared machine). Bytes come from the ledger
-(``comm.py``), so they are the same on every backend.
+(:mod:`sparsync.comm`), so they are the same on every backend.
 
 * :func:`time_reducer` runs ``make_reducer(name, comm, density, **options)`` for ``warmup + steps``
   steps and returns one dict per timed step: the reducer's ``stats`` after the step (``select_s``,

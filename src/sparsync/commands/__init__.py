@@ -1,6 +1,8 @@
 """Subcommands of the ``sparsync`` CLI (one module each, discovered by :mod:`sparsync.cli`), and the
-pieces they share: :class:`UsageError` (a user error: one line, exit code 2) and argument types that
-read rates, counts and durations with :mod:`sparsync.units`' one rule.
+pieces they share: :class:`UsageError` (a user error: one line, exit code 2), argument types that
+read rates, counts and durations with :mod:`sparsync.units`' one rule, bounded numbers
+(:func:`float_in`, :func:`int_in`) and ``key=value`` options (:func:`parse_kv`). A module whose name
+starts with ``_`` holds pieces of a subcommand and is not one itself.
 
 Nothing here imports torch: ``sparsync --help`` builds every parser without it.
 """
@@ -8,6 +10,7 @@ Nothing here imports torch: ``sparsync --help`` builds every parser without it.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 from ..units import format_rate, parse_count, parse_duration, parse_rate
@@ -95,3 +98,73 @@ def deprecated_alias(parser, old: str, new: str, dest: str, type=None) -> None: 
     """``old`` still works (hidden from --help, a note on stderr) and fills ``dest`` like ``new``."""
     parser.add_argument(old, dest=dest, type=type, action=_Deprecated, metavar=new, default=argparse.SUPPRESS,
                         help=argparse.SUPPRESS)
+
+
+def parse_kv(items: list[str] | None, what: str) -> dict:
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (numbers and true/false parsed)."""
+    out = {}
+    for it in items or []:
+        for part in it.split(","):
+            if not part:
+                continue
+            if "=" not in part:
+                raise UsageError(f"{what} must look like key=value, got {part!r}")
+            k, v = part.split("=", 1)
+            out[k.strip()] = parse_value(v.strip())
+    return out
+
+
+def parse_value(v: str):
+    """A ``key=value`` value: true/yes and false/no as booleans, then an int, then a float, else the string."""
+    low = v.lower()
+    if low in ("true", "yes"):
+        return True
+    if low in ("false", "no"):
+        return False
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        return float(v)
+    except ValueError:
+        return v
+
+
+def float_in(lo, hi, what, lo_open=True):
+    """argparse type: a finite number in ``(lo, hi]`` (``[lo, hi]`` with ``lo_open=False``)."""
+    def conv(s):
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected a number, got {s!r}") from None
+        if not ((lo < v if lo_open else lo <= v) and v <= hi and math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"{what} must be a finite number in {'(' if lo_open else '['}{lo:g}, "
+                                             f"{hi:g}], got {s!r}")
+        return v
+
+    return conv
+
+
+#: largest seed: every generator seed derived from it (seed * mix + epoch ...) stays inside torch's 64 bits
+SEED_MAX = 2**31 - 1
+#: largest --timeout / --time-limit in seconds (a year; what torch's collective timeouts can hold)
+SECONDS_MAX = 365 * 86400.0
+
+
+def int_in(lo, hi, what):
+    """argparse type: an integer in ``[lo, hi]`` (``1e3``-style integral numbers accepted)."""
+    def conv(s):
+        try:
+            v = parse_count(s) if not str(s).strip().startswith("-") else -parse_count(str(s).strip()[1:])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {s!r}") from None
+        if not lo <= v <= hi:
+            rng = f">= {lo}" if hi >= 2**62 else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{what} must be an integer {rng}, got {s!r}")
+        return v
+
+    return conv
+
+
+SEED = int_in(0, SEED_MAX, "--seed")
