@@ -36,7 +36,7 @@ run: setup
 
 # The reducer and engine suites run a second time with the torch kernels (SPARSYNC_NATIVE=0): the
 # path of every machine without a C compiler, and of every dtype, device or layout the C kernels skip.
-TORCH_KERNEL_TESTS := $(filter-out tests/test_bench_%,$(wildcard tests/test_*_reducer.py tests/test_*_reducers.py tests/test_engine_*.py))
+TORCH_KERNEL_TESTS := $(wildcard tests/reducers/test_*_reducer.py tests/reducers/test_*_reducers.py tests/engine/test_engine_*.py)
 
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadgroup

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         # Ctrl-C should end the program at once: the interpreter's final garbage collection of
         # everything torch and the workload allocated took 5-15 s beside other jobs (measured:
-        # tests/test_faults_orphans.py); frozen objects are left to the OS (the ranks are gone,
+        # tests/launch/test_orphans.py); frozen objects are left to the OS (the ranks are gone,
         # the store is removed, the handlers already ran)
         gc.freeze()
         return 130

@@ -9,7 +9,7 @@ What:
 * :func:`mlp_gradient_stream` / :func:`density_trace` - a realistic gradient stream: a small MLP
   trained with plain data-parallel SGD on sklearn's bundled digits (no download); on every step
   each rank's gradient is fed to several reducers at once, so they all see exactly the same stream,
-  and their achieved density is recorded (used by ``tests/test_micro_controller.py`` and the plot
+  and their achieved density is recorded (used by ``tests/selection/test_micro_controller.py`` and the plot
   ``docs/img/micro_density.png``).
 * :func:`comm_benchmark` - per-step time of ``micro``/``cltk``/``topka``/``hard_threshold`` (and
   ``dense``) on P ranks with :func:`sparsync.bench.reducers.time_reducer` (emulated 1 Gbit/s

@@ -28,7 +28,7 @@ crosses), and a global threshold reused after an exact estimate selected 2.4-2.8
 next step on (the values dropped by the global selection go back into the residuals, are re-selected
 locally and arrive larger). Exact local top-``k`` every step and the global estimate every step keep
 the local count at exactly ``k`` and the global one at ``k`` to ``1.01 k`` over 60 steps (same set-up;
-``tests/test_oktopk_steady.py`` asserts 10 %); ``recompute_every=32`` reproduces the paper's reuse.
+``tests/reducers/test_oktopk_steady.py`` asserts 10 %); ``recompute_every=32`` reproduces the paper's reuse.
 
 Residuals (Ok-Topk): local residual plus the locally selected values whose index did not survive the
 global selection (end-procedure, "put back"). Here this is conserving: an index is either kept

@@ -11,7 +11,7 @@ simulation on the thread cluster's virtual clock that validates them.
   collective costs its ring-model rounds and bytes (:mod:`sparsync.threadcomm`). The simulated time is
   the maximum clock over ranks when the call returns (P up to 256).
 
-Agreement criterion (tested in ``tests/test_sim_collectives.py`` for every algorithm with a formula;
+Agreement criterion (tested in ``tests/sim/test_sim_collectives.py`` for every algorithm with a formula;
 a formula that raises fails the test): the formulas are per-rank ledgers, so the executed run's
 ledger (the maximum over ranks of ``rounds`` and of ``bytes_received``) must **equal** the formula's
 value. Only where a formula gives ``(low, high)`` bounds — sizes that depend on the random index

@@ -11,7 +11,7 @@ Why: the figures and the numbers quoted from them (``docs/reproduction.md``, ``d
 went stale when formulas changed. Everything here is deterministic — alpha-beta formulas, the
 virtual-clock executed simulation with seeded inputs, and the MG-WFBP trace simulation of the
 committed backward profiles (``docs/img/profile_*_cpu.json``) — so the committed JSON must equal what
-the current code computes; ``tests/test_sim_regenerate.py`` runs the check in CI (the executed
+the current code computes; ``tests/sim/test_sim_regenerate.py`` runs the check in CI (the executed
 simulation only for the small ``P`` where it is quick).
 
 **Quoted model numbers.** Every model number in ``docs/reproduction.md`` — a time, bound, ratio, speed-up,

@@ -26,7 +26,7 @@ configuration's ``target_metric`` names).
 
 Resume: every rank saves model, optimizer, engine (reducer residuals etc.) and the loop's counters;
 since data depend only on (seed, step), a resumed run reproduces the uninterrupted one's losses
-bitwise (tested in ``tests/test_train_resume.py``).
+bitwise (tested in ``tests/train/test_train_resume.py``).
 """
 
 from __future__ import annotations
