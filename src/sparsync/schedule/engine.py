@@ -326,7 +326,7 @@ class OverlapEngine:
         rec.outs[g] = out
         span.close(r.stats)
         rec.stats.spans.append(span)
-        rec.stats.add_reducer_stats(r.stats)
+        rec.stats.add_reducer_stats(r.stats, g)
 
     def _group_input(self, rec, g, grads, span, own=False):
         """The group's local input: a coalesced COO tensor on the sparse path, else the flat
