@@ -3,7 +3,8 @@
 ``make_reducer("auto", comm)`` (``SparseDDP(model, comm, reducer="auto")``, ``ddp_hook("auto")``,
 ``sparsync train --reducer auto``) holds one *active* candidate reducer - created by name through the
 registry - and hands every call to it. Each merge group has its own instance, so each group decides
-for itself. Candidates (option ``candidates``, spelled ``"dense"``, ``"dense:fp16"``,
+for itself. Candidates (option ``candidates``, a list or one string separated by ``/``, ``,`` or ``;``;
+each spelled ``"dense"``, ``"dense:fp16"``,
 ``"micro:0.01"``, ``"micro:0.02:fp16"``, ``"hier:micro:0.01"``): by default dense fp32, dense with fp16
 values (torch's ``fp16_compress_hook``), ``sparse`` (micro) at ``densities`` 1/2/5 % with fp32 and
 fp16 values, and - when the ranks sit in several sites of several ranks (:func:`sparsync.site_layout`)
@@ -71,7 +72,7 @@ __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor"]
 
 #: convergence cost coefficient c in ``1 + c (1 - kept) / kept`` (module docstring; calibrated on the
 #: digits MLP, docs/_incoming/auto.md)
-PENALTY = 0.08
+PENALTY = 0.04
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
 CPU_PRIOR_S = {"dense": 1e-9, "micro": 5e-9, "hier": 6e-9}
@@ -208,7 +209,7 @@ class AutoReducer(Reducer):
             if multi:
                 candidates += [f"hier:{sparse}:{d:g}:{v}" for d in self.densities for v in values]
         elif isinstance(candidates, str):
-            candidates = [c for c in candidates.replace(";", ",").split(",") if c.strip()]
+            candidates = [c for c in candidates.replace(";", ",").replace("/", ",").split(",") if c.strip()]
         self.candidates = [parse_candidate(c, density) for c in candidates]
         if not self.candidates:
             raise ValueError("auto: no candidates")
@@ -385,7 +386,9 @@ class AutoReducer(Reducer):
         if self.timings is not None:
             ev = self.timings(self, {"event": "window", "wire_s": mine[0], "total_s": mine[1], "gap_s": mine[2]})
             mine = [ev["wire_s"], ev["total_s"], ev["gap_s"]]
-        (wire, total, gap), kept = self._gather(mine, self._kept_local(grad))
+        keys = sorted(self._last_cost)  # the active candidate's last ledger (bytes differ by rank: the largest)
+        hi, kept = self._gather(mine + [float(self._last_cost[k]) for k in keys], self._kept_local(grad))
+        (wire, total, gap), self._last_cost = hi[:3], dict(zip(keys, hi[3:]))
         self.window = []
         n = grad.numel()
         cand = self.candidates[self.active]
@@ -412,11 +415,18 @@ class AutoReducer(Reducer):
             level, rounds, nbytes = "flat", c.get("rounds", 0), c.get("bytes_received", 0)
         alpha, beta = self.link.get(level, self.link["flat"])
         # the term that dominates the prediction takes the difference (a latency-bound sparse call
-        # says little about the bandwidth, a dense one little about the latency)
-        if nbytes > 0 and beta * nbytes >= alpha * rounds and wire > alpha * rounds:
-            beta = (wire - alpha * rounds) / nbytes
-        elif rounds > 0 and wire > beta * nbytes:
-            alpha = (wire - beta * nbytes) / rounds
+        # says little about the bandwidth, a dense one little about the latency); when the other
+        # term alone exceeds the measurement, both scale down together
+        pa, pb = alpha * rounds, beta * nbytes
+        if pa + pb <= 0:
+            return
+        if pb >= pa and wire > pa:
+            beta = (wire - pa) / nbytes
+        elif pa > pb and wire > pb:
+            alpha = (wire - pb) / rounds
+        else:
+            scale = wire / (pa + pb)
+            alpha, beta = alpha * scale, beta * scale
         self.link[level] = [alpha, beta]
 
     # ------------------------------------------------------------------ the model and the decision
