@@ -247,3 +247,40 @@ def test_train_cli_refuses_a_bad_auto_option(tmp_path, capsys):
 
 def test_auto_is_a_registered_reducer_module():
     assert isinstance(make_reducer("auto", ThreadWorld(2).comms()[0]), AutoReducer)
+
+
+def test_probed_link_drop_is_named_and_changes_the_decision():
+    # no declared link: the probe runs (thread ranks), its times injected from a ring model whose
+    # bandwidth drops 20x at step 6 - per rank a little different; every call of the active candidate
+    # costs what the model says. auto re-probes when the call times deviate and names the link change.
+    P, n = 4, N
+
+    def ring(rank, step, nbytes, rounds):
+        beta = (1e-7 if step < 6 else 2e-6) * (1 + 0.1 * rank)  # 10 MB/s, then 0.5 MB/s
+        return 1e-4 * rounds + beta * nbytes
+
+    def hook(r, ev):
+        rank, step = r.comm.rank, r.step
+        if ev["event"] == "probe":
+            p = r.comm.world_size if ev["level"] == "flat" else 2
+            return {**ev, "time_s": ring(rank, step, 2 * (p - 1) * 4 * ev["numel"] / p, 2 * (p - 1))}
+        if ev["event"] == "call":
+            c = r._last_cost  # this call's ledger
+            w = ring(rank, step, c["bytes_received"], c["rounds"])
+            return {**ev, "wire_s": w, "total_s": w + 1e-4}
+        if ev["event"] == "window":
+            return {**ev, "gap_s": 0.01}
+        return ev
+
+    def run(comm):
+        r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=2, penalty=1.0)
+        r.timings = hook
+        for t in range(14):
+            r.reduce(_grad(comm.rank, t, n))
+        return r.decisions
+
+    res = ss.run_local(run, P, backend="thread")
+    assert all(d == res[0] for d in res)
+    assert [d for d in res[0] if d["step"] < 6][-1]["chosen"] == "dense", res[0]  # once a gap was measured
+    later = [d for d in res[0] if d["chosen"] == "micro:0.02" and d["switched"]]
+    assert later and 6 <= later[0]["step"] <= 10 and "link changed" in later[0]["reason"], res[0]

@@ -12,16 +12,18 @@ fp16 values, and - when the ranks sit in several sites of several ranks (:func:`
 
 What it decides from:
 
-(a) **a probe at the first call**: ``probe_repeats`` timed all-reduces of two sizes per level (the
-    whole group; with sites, inside a site and across sites), fitted to ``t = alpha * rounds + beta *
-    bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size`` bytes): latency alpha and inverse
-    bandwidth beta per level (Hockney's model, as in the documents' cost formulas);
-(b) **per-call times** of the active candidate: its wall time (``total_s``) split into wire
-    (``comm_s``) and CPU (the rest: selection, error feedback, packing), and the time between calls
-    (``gap``: the step's compute outside this group's reduce). The wire time refits the level's beta
-    (alpha too when the bytes cannot explain it); the CPU time per element becomes that reducer's
-    overhead estimate (priors :data:`CPU_PRIOR_S` until measured). A candidate's predicted time is
-    ``alpha * rounds + beta * bytes`` from its registered ``predicted_cost`` plus its overhead;
+(a) **a probe** at the first call and again at every re-decision: ``probe_repeats`` timed
+    all-reduces of two sizes per level (the whole group; with sites, inside a site and across sites),
+    fitted to ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size``
+    bytes): latency alpha and inverse bandwidth beta per level (Hockney's model, as in the documents'
+    cost formulas); the maximum over ranks;
+(b) **per-call times** of the active candidate: its wall time (``total_s``), its wire time
+    (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
+    reduce). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
+    total minus the predicted wire becomes that reducer's CPU overhead per element (priors
+    :data:`CPU_PRIOR_S` until measured) - on shared cores a sparse call's "wire" is mostly waiting
+    for the other ranks, which is CPU, not link. A candidate's predicted time is ``alpha * rounds +
+    beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``) plus its overhead;
 (c) **gradient statistics**: on a fixed sample of ``sample`` entries of the accumulated gradient
     (``grad + residual`` of the active candidate), the fraction ``kept(d)`` of its squared mass that
     the largest ``d`` share of entries hold, per density (one sort of the sample, vectorised), mean
@@ -37,14 +39,16 @@ keeps ``delta = kept``): Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory"
 Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (a ``(1 - delta) / delta^2`` term);
 Lin et al., "Deep Gradient Compression", ICLR 2018, for the practice. The first-order term
 ``(1 - delta) / delta`` is what we charge; ``c = penalty`` (:data:`PENALTY`) is calibrated from measured
-steps to target (docs/benchmarks.md: digits MLP, dense 36 steps, micro 2 % 40, micro 1 % 43).
+steps to target of plain error-feedback MiCRO on the digits MLP (4 workers, Nesterov SGD: dense 36
+steps, micro 1 / 2 / 5 % 49.5 / 48 / 40 at kept mass 0.185 / 0.255 / 0.406: c = 0.085 / 0.114 / 0.076).
 Values in fp16 are charged nothing.
 
 Re-decision: every ``check_every`` calls the ranks exchange their window's measurements and
 statistics (one small all-gather of control data); every ``decide_every`` calls, or at once when the
-measured wire time of the active candidate differs from its prediction by more than ``deviation``
-(a link change; ``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``),
-the candidates are scored again. **Every rank makes the same decision**: it decides from the
+measured time per call of the active candidate differs from its prediction by more than ``deviation``
+(``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
+again and the candidates are scored again; the reason names a link change when the probed bandwidth
+moved by more than 25 %, else a change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
 tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
 another scores ``margin`` lower).
@@ -55,7 +59,7 @@ across a switch. ``stats["auto"]`` holds the active candidate and, on a call tha
 decision (``reason``, predicted ms and score per candidate, kept mass per density, chosen).
 ``state_dict`` holds the choice, the estimates, the window and the active candidate's state (bitwise
 resume across a decision change). Options ``link={"flat": (alpha, beta), ...}`` (seconds, seconds
-per byte) skip the probe; ``timings`` (attribute, a callable) replaces measured times in tests.
+per byte) declare the link: no probe, ever; ``timings`` (attribute, a callable) replaces measured times in tests.
 """
 
 from __future__ import annotations
@@ -74,7 +78,7 @@ __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor"]
 
 #: convergence cost coefficient c in ``1 + c (1 - kept) / kept`` (module docstring; calibrated on the
 #: digits MLP, docs/_incoming/auto.md)
-PENALTY = 0.04
+PENALTY = 0.09
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
 CPU_PRIOR_S = {"dense": 1e-9, "micro": 5e-9, "hier": 6e-9}
@@ -172,14 +176,14 @@ def _carry_residual(old: Reducer | None) -> torch.Tensor | None:
 @register("auto")
 class AutoReducer(Reducer):
     """``make_reducer("auto", comm, density, candidates=None, sparse="micro", densities=(0.01, 0.02,
-    0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=2.0,
+    0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=1.5,
     margin=0.05, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
     candidate_options=None)``; see the module docstring. ``density`` is unused unless a candidate
     spelling omits its own."""
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
-                 check_every: int = 5, deviation: float = 2.0, margin: float = 0.05, penalty: float = PENALTY,
+                 check_every: int = 5, deviation: float = 1.5, margin: float = 0.05, penalty: float = PENALTY,
                  probe: bool = True, probe_repeats: int = 2, link: dict | None = None, sample: int = 65536,
                  candidate_options: dict | None = None, value_dtype: str = "fp32", nonfinite: str = "error"):
         if value_dtype != "fp32":
@@ -224,6 +228,9 @@ class AutoReducer(Reducer):
         self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
+        self.declared = link is not None  # a declared link is never re-probed
+        if not probe and link is None:
+            raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
         if link is not None:
             self.link = {k: [float(a), float(b)] for k, (a, b) in dict(link).items()}
             if "flat" not in self.link:
@@ -291,14 +298,14 @@ class AutoReducer(Reducer):
         out = cand.reduce(x)
         st = cand.stats
         ev = {"wire_s": float(st.get("comm_s", 0.0)), "total_s": float(st.get("total_s", 0.0))}
+        self._last_cost = {k: st.get(k, 0) for k in ("rounds", "bytes_received", "intra_rounds",
+                                                     "intra_bytes_received", "inter_rounds", "inter_bytes_received")}
         if self.timings is not None:
             ev = self.timings(self, {"event": "call", "candidate": self.choice, **ev})
         if self._fresh:  # a candidate's first call pays its set-up (checks, buffers): not a measurement
             self._fresh = False
         else:
             self.window.append([ev["wire_s"], ev["total_s"], -1.0 if gap is None else gap])
-        self._last_cost = {k: st.get(k, 0) for k in ("rounds", "bytes_received", "intra_rounds",
-                                                     "intra_bytes_received", "inter_rounds", "inter_bytes_received")}
         self.since_decision += 1
         keep = ("select_s", "comm_s", "selected", "intra_bytes", "inter_bytes", "intra_bytes_received",
                 "inter_bytes_received", "intra_rounds", "inter_rounds", "sites")
@@ -317,7 +324,7 @@ class AutoReducer(Reducer):
             s = len(self.layout[0])
             levels.append(("intra", self.comm.split(self.layout)))
             levels.append(("inter", self.comm.split([[site[j] for site in self.layout] for j in range(s)])))
-        small, large = 256, max(4096, min(n, 1 << 18))
+        small, large = 256, max(4096, min(n, 1 << 16))
         mine = []
         for level, c in levels:
             for size in (small, large):
@@ -395,20 +402,34 @@ class AutoReducer(Reducer):
         self.window = []
         n = grad.numel()
         cand = self.candidates[self.active]
-        pred_wire = self._wire(cand, n)
-        ratio = (wire + _EPS_S) / (pred_wire + _EPS_S)
-        self._refit(cand, wire, max(0.0, total - wire), n)
-        if ratio > self.deviation or ratio < 1 / self.deviation:
-            return self._decide(n, gap, kept, f"measured wire {1e3 * wire:.1f} ms vs predicted "
-                                              f"{1e3 * pred_wire:.1f} ms (x{ratio:.2f}): link changed")
-        if self.since_decision >= self.decide_every or len(self.decisions) == 1:
+        pred = self._predict(cand, n)
+        ratio = (total + _EPS_S) / (pred + _EPS_S)
+        deviated = ratio > self.deviation or ratio < 1 / self.deviation
+        periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
+        level = "inter" if cand.reducer == "hier" else "flat"
+        beta_before = self.link.get(level, self.link["flat"])[1]
+        probed = (deviated or periodic) and self.probe and not self.declared
+        if probed:  # measure the link again: a changed link shows here, CPU contention does not
+            self._probe(n)
+        self._refit(cand, wire, total, n, from_call=not probed)
+        if deviated:
+            moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
+            why = (f"link changed (bandwidth x{1 / moved:.2f})" if moved > 1.25 or moved < 0.8
+                   else "CPU time changed (the link did not)")
+            return self._decide(n, gap, kept, f"measured {1e3 * total:.1f} ms per call vs predicted "
+                                              f"{1e3 * pred:.1f} ms (x{ratio:.2f}): {why}")
+        if periodic:
             return self._decide(n, gap, kept, "periodic" if len(self.decisions) > 1 else "first measurements")
         self._set_kept(kept)
         return None
 
-    def _refit(self, cand: Candidate, wire: float, cpu: float, n: int) -> None:
-        """Measured wire time -> the link of the level it crossed; CPU time -> the reducer's overhead."""
-        self.cpu[cand.reducer] = cpu / max(1, n)
+    def _refit(self, cand: Candidate, wire: float, total: float, n: int, from_call: bool = True) -> None:
+        """The measured call -> the estimates. ``from_call``: a bandwidth-bound call (its predicted
+        ``beta * bytes`` at least its ``alpha * rounds``) refits the beta of the level it crossed from
+        its wire time (when the latency term alone exceeds the measurement, both terms scale down);
+        a latency-bound call says little about the link (its wire time is mostly waiting for the
+        other ranks), so the link stays (the probe re-measures it). Then the reducer's CPU overhead
+        per element = measured total - predicted wire: contention for cores lands there."""
         c = self._last_cost
         if cand.reducer == "hier":
             a, b = self.link.get("intra", self.link["flat"])
@@ -417,20 +438,15 @@ class AutoReducer(Reducer):
         else:
             level, rounds, nbytes = "flat", c.get("rounds", 0), c.get("bytes_received", 0)
         alpha, beta = self.link.get(level, self.link["flat"])
-        # the term that dominates the prediction takes the difference (a latency-bound sparse call
-        # says little about the bandwidth, a dense one little about the latency); when the other
-        # term alone exceeds the measurement, both scale down together
         pa, pb = alpha * rounds, beta * nbytes
-        if pa + pb <= 0:
-            return
-        if pb >= pa and wire > pa:
-            beta = (wire - pa) / nbytes
-        elif pa > pb and wire > pb:
-            alpha = (wire - pb) / rounds
-        else:
-            scale = wire / (pa + pb)
-            alpha, beta = alpha * scale, beta * scale
-        self.link[level] = [alpha, beta]
+        if from_call and pb >= pa and pb > 0:
+            if wire > pa:
+                beta = (wire - pa) / nbytes
+            else:
+                scale = wire / (pa + pb)
+                alpha, beta = alpha * scale, beta * scale
+            self.link[level] = [alpha, beta]
+        self.cpu[cand.reducer] = max(0.0, total - self._wire(cand, n)) / max(1, n)
 
     # ------------------------------------------------------------------ the model and the decision
     def _cost(self, cand: Candidate, n: int) -> dict:
