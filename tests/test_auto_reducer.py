@@ -284,3 +284,27 @@ def test_probed_link_drop_is_named_and_changes_the_decision():
     assert [d for d in res[0] if d["step"] < 6][-1]["chosen"] == "dense", res[0]  # once a gap was measured
     later = [d for d in res[0] if d["step"] >= 6 and d["chosen"] == "micro:0.02" and d["switched"]]
     assert later and 6 <= later[0]["step"] <= 10 and "link changed" in later[0]["reason"], res[0]
+
+
+def _hook_run(comm, steps):
+    from torch import nn
+
+    torch.manual_seed(1)
+    m = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
+    hook = ss.ddp_hook("auto", module=m, candidates="dense/micro:0.05", check_every=2)
+    m.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + comm.rank)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+    choices = [r.choice for _, r in sorted(hook.reducers.items())]
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), choices
+
+
+def test_ddp_hook_auto_keeps_ranks_identical():
+    res = ss.run_local(_hook_run, 2, 5, backend="gloo")
+    assert torch.equal(res[0][0], res[1][0]) and res[0][1] == res[1][1]
+    assert res[0][1] and all(c in ("dense", "micro:0.05") for c in res[0][1])
