@@ -191,20 +191,25 @@ def test_dense_fp16_is_the_fp16_hook():
     assert res[0][1] == 2 * 3 * 1000 * 2 // 4 and res[0][2] is False
 
 
+def _sgd(fwd, model, rank, steps, after=lambda: None):
+    """``steps`` SGD steps of ``fwd`` on per-rank random batches (20 features, 4 classes)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(fwd(x), y).backward()
+        opt.step()
+        after()
+
+
 def _ddp(comm, steps):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     ddp = ss.SparseDDP(model, comm, reducer="auto", merge="wfbp",
                        reducer_options={"candidates": "dense/micro:0.05", "check_every": 2})
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
     stats = []
-    for t in range(steps):
-        g = torch.Generator().manual_seed(100 * t + comm.rank)
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        stats.append(ddp.last_stats["auto"])
+    _sgd(ddp, model, comm.rank, steps, lambda: stats.append(ddp.last_stats["auto"]))
     state = ddp.sparsync_state_dict()
     ddp.close()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), stats, state
@@ -293,13 +298,7 @@ def _hook_run(comm, steps):
     m = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
     hook = ss.ddp_hook("auto", module=m, candidates="dense/micro:0.05", check_every=2)
     m.register_comm_hook(None, hook)
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for t in range(steps):
-        g = torch.Generator().manual_seed(100 * t + comm.rank)
-        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(m(x), y).backward()
-        opt.step()
+    _sgd(m, m, comm.rank, steps)
     choices = [r.choice for _, r in sorted(hook.reducers.items())]
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), choices
 
