@@ -307,3 +307,23 @@ def test_ddp_hook_auto_keeps_ranks_identical():
     res = ss.run_local(_hook_run, 2, 5, backend="gloo")
     assert torch.equal(res[0][0], res[1][0]) and res[0][1] == res[1][1]
     assert res[0][1] and all(c in ("dense", "micro:0.05") for c in res[0][1])
+
+
+def test_sites_bring_hier_in_and_it_conserves():
+    # two sites of two ranks, a fast link inside a site and a slow one between: the hierarchical
+    # exchange is predicted cheaper than flat micro; switching from flat micro into it carries the residual
+    link = {"flat": (1e-6, 1e-6), "intra": (1e-6, 1e-10), "inter": (1e-6, 1e-6)}
+
+    def per_call(rank, step, cand):
+        return None, None
+    P, steps = 4, 6
+    res = ss.run_local(_run, P, N, steps, per_call, backend="thread", sites="2x2", link=link, check_every=2,
+                       candidates="micro:0.05/hier:micro:0.05", margin=0.0)
+    rows, decisions = res[0]
+    assert rows[0]["choice"] == "hier:micro:0.05", decisions
+    assert set(rows[0]["auto"]["decision"]["predicted_ms"]) == {"micro:0.05", "hier:micro:0.05"}
+    for t in range(steps):
+        assert all(torch.equal(r[t]["out"], rows[t]["out"]) for r, _ in res)
+        lhs = sum(r[t]["g"].double() + (0 if r[t]["before"] is None else r[t]["before"].double()) for r, _ in res)
+        rhs = rows[t]["out"].double() + sum(r[t]["after"].double() for r, _ in res)
+        assert torch.allclose(lhs, rhs, rtol=0, atol=ATOL * P * 4)
