@@ -529,7 +529,8 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         "name": cfg.name, "label": cfg.label(), "workload": cfg.workload,
         # a DiLoCo row is not the per-step reducer's row (tables find dense SparseDDP by "dense")
         "reducer": f"diloco-{cfg.reducer}" if cfg.local_steps.get("sync_every") else cfg.reducer,
-        "density": None if cfg.reducer in ("dense", NOCOMM) or cfg.is_torch_ddp else cfg.density, "merge": cfg.merge,
+        "density": None if cfg.reducer in ("dense", "auto", NOCOMM) or cfg.is_torch_ddp else cfg.density,
+        "merge": cfg.merge,
         "convergence": dict(cfg.convergence), "local_steps": dict(cfg.local_steps),
         "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
         "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
