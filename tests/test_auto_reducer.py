@@ -162,6 +162,8 @@ def test_penalty_and_candidates():
     h = make_reducer("auto", comm, sites="2x2")
     assert any(c.spec == "hier:micro:0.01:fp16" for c in h.candidates)
     assert make_reducer("auto", comm, candidates="dense,micro:0.01").conserving
+    r = make_reducer("auto", comm, values="fp32", densities="0.02/0.1")  # CLI spellings
+    assert [c.spec for c in r.candidates] == ["dense", "micro:0.02", "micro:0.1"] and r.conserving
 
 
 @pytest.mark.parametrize("opts,match", [
@@ -171,6 +173,9 @@ def test_penalty_and_candidates():
     ({"candidates": "hier:micro:0.01"}, "several sites"),
     ({"candidates": "gtopk:0.01:fp16"}, "cannot send fp16"),
     ({"decide_every": 0}, "decide_every"),
+    ({"densities": "0.01/x"}, "densities"),
+    ({"values": "fp8"}, "values"),
+    ({"probe": False}, "probe=False needs link"),
     ({"deviation": 1.0}, "deviation"),
     ({"value_dtype": "fp16"}, "chooses the value precision"),
     ({"link": {"intra": (1, 1)}}, "'flat'"),

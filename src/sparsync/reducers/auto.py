@@ -199,10 +199,14 @@ class AutoReducer(Reducer):
             raise ValueError(f"auto: margin must be in [0, 1), got {margin!r}")
         if not (isinstance(penalty, (int, float)) and penalty >= 0):
             raise ValueError(f"auto: penalty must be >= 0, got {penalty!r}")
+        values, densities = _listed(values), _listed(densities)  # "fp32/fp16", "0.01/0.02" from the CLI
         for v in values:
             if v not in VALUE_DTYPES:
                 raise ValueError(f"auto: values must be among {', '.join(VALUE_DTYPES)}, got {v!r}")
-        self.densities = tuple(float(d) for d in densities)
+        try:
+            self.densities = tuple(float(d) for d in densities)
+        except (TypeError, ValueError):
+            raise ValueError(f"auto: densities must be numbers in (0, 1], got {densities!r}") from None
         if not self.densities or any(not (0 < d <= 1) for d in self.densities):
             raise ValueError(f"auto: densities must be in (0, 1], got {densities!r}")
         self.layout = None if sites is None else site_layout(comm.world_size, sites)
@@ -214,8 +218,8 @@ class AutoReducer(Reducer):
             candidates += [f"{sparse}:{d:g}:{v}" for d in self.densities for v in values]
             if multi:
                 candidates += [f"hier:{sparse}:{d:g}:{v}" for d in self.densities for v in values]
-        elif isinstance(candidates, str):
-            candidates = [c for c in candidates.replace(";", ",").replace("/", ",").split(",") if c.strip()]
+        else:
+            candidates = _listed(candidates)
         self.candidates = [parse_candidate(c, density) for c in candidates]
         if not self.candidates:
             raise ValueError("auto: no candidates")
@@ -579,6 +583,13 @@ class AutoReducer(Reducer):
     @classmethod
     def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, **_):
         return None  # depends on the choice made at run time
+
+
+def _listed(v):
+    """A list option given as one string (``"a/b"``, ``"a,b"``, ``"a;b"``) or a single value, as a list."""
+    if isinstance(v, str):
+        return [p.strip() for p in v.replace(";", ",").replace("/", ",").split(",") if p.strip()]
+    return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
 def _mid(v) -> float:
