@@ -23,7 +23,9 @@ What it decides from:
     total minus the predicted wire becomes that reducer's CPU overhead per element (priors
     :data:`CPU_PRIOR_S` until measured) - on shared cores a sparse call's "wire" is mostly waiting
     for the other ranks, which is CPU, not link. A candidate's predicted time is ``alpha * rounds +
-    beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``) plus its overhead;
+    beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``) plus its overhead -
+    or, for a candidate that ran since the last link change (the probed bandwidth moved by 2x), the time
+    per call it measured then;
 (c) **gradient statistics**: on a fixed sample of ``sample`` entries of the accumulated gradient
     (``grad + residual`` of the active candidate), the fraction ``kept(d)`` of its squared mass that
     the largest ``d`` share of entries hold, per density (one sort of the sample, vectorised), mean
@@ -48,7 +50,7 @@ statistics (one small all-gather of control data); every ``decide_every`` calls,
 measured time per call of the active candidate differs from its prediction by more than ``deviation``
 (``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
 again and the candidates are scored again; the reason names a link change when the probed bandwidth
-moved by more than 25 %, else a change of CPU time. **Every rank makes the same decision**: it decides from the
+moved by more than 2x, else a change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
 tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
 another scores ``margin`` lower).
@@ -240,6 +242,7 @@ class AutoReducer(Reducer):
             if "flat" not in self.link:
                 raise ValueError("auto: link= needs at least a 'flat' entry (alpha s, beta s/byte)")
         self.cpu: dict[str, float] = {}      # measured CPU seconds per element, per reducer name
+        self.measured: dict[str, float] = {}  # time per call of each candidate that ran since the last link change
         self.active: int | None = None       # index into candidates
         self._cand: Reducer | None = None
         self._carry: torch.Tensor | None = None
@@ -328,7 +331,7 @@ class AutoReducer(Reducer):
             s = len(self.layout[0])
             levels.append(("intra", self.comm.split(self.layout)))
             levels.append(("inter", self.comm.split([[site[j] for site in self.layout] for j in range(s)])))
-        small, large = 256, max(4096, min(n, 1 << 16))
+        small, large = 256, max(4096, min(n, 1 << 18))
         mine = []
         for level, c in levels:
             for size in (small, large):
@@ -350,7 +353,9 @@ class AutoReducer(Reducer):
             t_s, t_l = worst[2 * i], worst[2 * i + 1]
             rounds = max(1, 2 * (p - 1))
             b_s, b_l = (2 * (p - 1) * 4 * small / p, 2 * (p - 1) * 4 * large / p) if p > 1 else (0, 1)
-            beta = max(1e-12, (t_l - t_s) / max(1.0, b_l - b_s))
+            # on shared cores the small call can come out as slow as the large one: the large call's
+            # own time per byte (half of it) bounds beta from below
+            beta = max(1e-12, (t_l - t_s) / max(1.0, b_l - b_s), 0.5 * t_l / max(1.0, b_l))
             alpha = max(1e-7, (t_s - beta * b_s) / rounds)
             self.link[level] = [alpha, beta]
         if P == 1:
@@ -408,6 +413,7 @@ class AutoReducer(Reducer):
         cand = self.candidates[self.active]
         pred = self._predict(cand, n)
         ratio = (total + _EPS_S) / (pred + _EPS_S)
+        self.measured.pop(cand.spec, None)  # the model's view for the refit below
         deviated = ratio > self.deviation or ratio < 1 / self.deviation
         periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
         level = "inter" if cand.reducer == "hier" else "flat"
@@ -416,9 +422,12 @@ class AutoReducer(Reducer):
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
         self._refit(cand, wire, total, n, from_call=not probed)
+        moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
+        if (probed and (moved > 2 or moved < 0.5)) or (periodic and not deviated):
+            self.measured.clear()  # times measured on the old link (or long ago) no longer hold
+        self.measured[cand.spec] = total
         if deviated:
-            moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
-            why = (f"link changed (bandwidth x{1 / moved:.2f})" if moved > 1.25 or moved < 0.8
+            why = (f"link changed (bandwidth x{1 / moved:.2f})" if moved > 2 or moved < 0.5
                    else "CPU time changed (the link did not)")
             return self._decide(n, gap, kept, f"measured {1e3 * total:.1f} ms per call vs predicted "
                                               f"{1e3 * pred:.1f} ms (x{ratio:.2f}): {why}")
@@ -478,6 +487,10 @@ class AutoReducer(Reducer):
         return t
 
     def _predict(self, cand: Candidate, n: int) -> float:
+        """The candidate's time per call: what it measured since the last link change when it ran
+        then, else the model (wire + CPU overhead)."""
+        if cand.spec in self.measured:
+            return self.measured[cand.spec]
         per = self.cpu.get(cand.reducer, CPU_PRIOR_S.get(cand.reducer, CPU_PRIOR_OTHER))
         return self._wire(cand, n) + per * n
 
@@ -548,6 +561,7 @@ class AutoReducer(Reducer):
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
                 "link": {k: list(v) for k, v in self.link.items()}, "cpu": dict(self.cpu),
+                "measured": dict(self.measured),
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
                 "decisions": list(self.decisions),
@@ -561,6 +575,7 @@ class AutoReducer(Reducer):
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
         self.cpu = dict(d.get("cpu") or {})
+        self.measured = dict(d.get("measured") or {})
         self.window = [list(r) for r in d.get("window") or []]
         self.kept = dict(d.get("kept") or {})
         self.kept_ef = dict(d.get("kept_ef") or {})
