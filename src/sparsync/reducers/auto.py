@@ -78,7 +78,7 @@ from .registry import REDUCERS, make_reducer, register
 
 __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor"]
 
-#: convergence cost coefficient c in ``1 + c (1 - kept) / kept`` (module docstring; calibrated on the
+#: convergence cost coefficient c in ``1 + c (1 - kept) / kept``, calibrated on the
 #: digits MLP: module docstring)
 PENALTY = 0.09
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
