@@ -79,7 +79,7 @@ from .registry import REDUCERS, make_reducer, register
 __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor"]
 
 #: convergence cost coefficient c in ``1 + c (1 - kept) / kept``, calibrated on the
-#: digits MLP: module docstring)
+#: digits MLP (module docstring)
 PENALTY = 0.09
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
