@@ -215,7 +215,9 @@ def _assert_same_state(a, b, what):
 
 @pytest.mark.gloo
 def test_resume_bitwise_every_reducer():
-    names = sorted(load_all())
+    # auto decides from the times it measures, which differ run to run: test_auto_reducer resumes it
+    # bitwise across a decision change with injected timings
+    names = sorted(n for n in load_all() if n != "auto")
     first = ss.run_local(_straight_and_half, 2, names, backend="gloo", timeout=120)
     halves = {n: [first[r][n][1] for r in range(2)] for n in names}
     resumed = ss.run_local(_resume, 2, halves, backend="gloo", timeout=120)  # fresh processes

@@ -14,6 +14,10 @@ anything is sent, and the buffer is then reduced in place, in the same pieces
 (``Comm.allreduce(..., pieces=True)``); with ``nonfinite="ignore"`` the piecewise copy.
 Option ``inplace=True`` removes the copy for a caller that donates its gradient buffer (like torch
 DDP's buckets): the gradient tensor itself is reduced and returned.
+
+``value_dtype="fp16"`` / ``"bf16"``: the values travel and are summed in half precision (half the
+bytes), then returned in the gradient's dtype - what torch's ``fp16_compress_hook`` does (no
+residual; the rounding is lost, so such an instance reports ``conserving = False``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from .registry import register
 class DenseReducer(Reducer):
     has_memory = False  # everything is sent: no residual
     checks_input = True  # in _reduce: fused into the copy, or before the in-place all-reduce
+    supports_value_dtype = True  # fp16/bf16: torch's fp16_compress_hook (cast, all-reduce, cast back)
+    value_dtype_conserving = False
 
     def __init__(self, comm, density: float = 0.01, inplace: bool = False, **rest):
         super().__init__(comm, density=density, **rest)
@@ -34,6 +40,13 @@ class DenseReducer(Reducer):
     staged = True  # one all-reduce: :meth:`_start` posts it and returns its future
 
     def _reduce(self, grad):
+        if self.wire_dtype is not None:  # half precision on the wire and in the sum (fp16_compress_hook)
+            self.check_finite(grad)
+            sent = self.wire_values(grad)
+            with self.timed("comm"):
+                self.comm.allreduce(sent, out=sent, pieces=True)
+            out = self.output_buffer(grad.numel(), grad.dtype, grad.device)
+            return out.copy_(sent)
         with self.timed("comm"):
             return self._exchange(grad, self.comm.allreduce)
 
@@ -55,4 +68,6 @@ class DenseReducer(Reducer):
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, **_):
+        """Ring all-reduce: ``2(P-1)`` rounds, ``2(P-1)/P * n * value_bytes`` received per rank
+        (``value_bytes=2`` for ``value_dtype`` fp16/bf16)."""
         return {"rounds": 2 * (P - 1), "bytes_received": 2 * (P - 1) * n * value_bytes // P if P > 1 else 0}

@@ -336,7 +336,7 @@ class OverlapEngine:
         rec.outs[g] = out
         span.close(r.stats)
         rec.stats.spans.append(span)
-        rec.stats.add_reducer_stats(r.stats)
+        rec.stats.add_reducer_stats(r.stats, g)
 
     def _group_input(self, rec, g, grads, span, own=False):
         """Group ``g``'s input to its reducer (:class:`.inputs.InputStage`)."""

@@ -84,8 +84,11 @@ class StepStats:
         self.counters = dict.fromkeys(_REDUCER_KEYS, 0)
         self.stages: dict[str, float] = {}  # reducer-specific stage times, summed over groups
         self.copied_bytes = 0   # gradient bytes copied into the flat buffers (0 when .grad were the views)
+        self.auto: list[dict] = []  # reducer="auto": each group's choice (and decision, on a step that made one)
 
-    def add_reducer_stats(self, st: dict) -> None:
+    def add_reducer_stats(self, st: dict, g: int | None = None) -> None:
+        if "auto" in st:
+            self.auto.append({"group": g, **st["auto"]})
         for k in _REDUCER_KEYS:
             self.counters[k] += st.get(k, 0) or 0
         for k, v in st.items():  # a reducer's own stage times (e.g. micro's comm_values_s)
@@ -109,6 +112,8 @@ class StepStats:
             **{k: int(c[k]) for k in _LEVEL_KEYS if c[k]},
             **{f"reducer_{k}": v for k, v in self.stages.items()},
         }
+        if self.auto:
+            out["auto"] = sorted(self.auto, key=lambda a: -1 if a["group"] is None else a["group"])
         totals = dict.fromkeys(("copy", "check", "policy", "select", "comm", "reducer_other"), 0.0)
         wait = dict(totals)
         cpu_wait = 0.0

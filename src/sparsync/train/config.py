@@ -126,8 +126,8 @@ class TrainConfig:
                        for k, v in sorted({**self.reducer_options, **self.convergence,
                                            **_labelled(self.ddp_options),
                                            **({"adam_freeze": self.adam_freeze} if self.adam_freeze else {})}.items()))
-        if self.reducer == "dense":
-            return f"dense ({self.merge}{conv})"
+        if self.reducer in ("dense", "auto"):  # no density: dense sends everything, auto picks its own
+            return f"{self.reducer} ({self.merge}{conv})"
         return f"{self.reducer} {self.density:g} ({self.merge}{conv})"
 
 

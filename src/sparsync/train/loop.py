@@ -474,6 +474,11 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
             if not (isinstance(v, (int, float)) or v is None):
                 v = len(v) if hasattr(v, "__len__") else str(v)
             rec[k] = v
+    if st.get("auto"):  # reducer="auto": the choice per group; a decision (its reason and scores) when one was made
+        rec["auto_choice"] = ";".join(str(a.get("choice")) for a in st["auto"])
+        made = [{"group": a["group"], **a["decision"]} for a in st["auto"] if a.get("decision")]
+        if made:
+            rec["auto_decisions"] = made
     bc = st.get("backward_s")
     rec["backward_compute_s"] = bc
     rec["compute_s"] = (t1 - t0) + (t3 - t2) + (bc if bc is not None else (t2 - t1)) - (st.get("outer_s") or 0.0)
@@ -524,7 +529,8 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         "name": cfg.name, "label": cfg.label(), "workload": cfg.workload,
         # a DiLoCo row is not the per-step reducer's row (tables find dense SparseDDP by "dense")
         "reducer": f"diloco-{cfg.reducer}" if cfg.local_steps.get("sync_every") else cfg.reducer,
-        "density": None if cfg.reducer in ("dense", NOCOMM) or cfg.is_torch_ddp else cfg.density, "merge": cfg.merge,
+        "density": None if cfg.reducer in ("dense", "auto", NOCOMM) or cfg.is_torch_ddp else cfg.density,
+        "merge": cfg.merge,
         "convergence": dict(cfg.convergence), "local_steps": dict(cfg.local_steps),
         "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
         "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
@@ -541,4 +547,13 @@ def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_tar
         "median_bytes_sent": med("bytes_sent"), "mean_bytes_sent": mean("bytes_sent"), "median_density": med("density"),
         "final_train_loss": stt.mean([r["loss"] for r in rows[-10:]]) if rows else None,
         "evals": evals,
+        **_auto_summary(rows),
     }
+
+
+def _auto_summary(rows: list[dict]) -> dict:
+    """reducer="auto": every decision of the run (step, group, reason, chosen) and the last choice."""
+    decisions = [{"step": r["step"], "group": d.get("group"), "reason": d.get("reason"), "chosen": d.get("chosen"),
+                  "switched": d.get("switched")} for r in rows for d in r.get("auto_decisions") or []]
+    last = next((r["auto_choice"] for r in reversed(rows) if r.get("auto_choice")), None)
+    return {"auto_decisions": decisions, "auto_final_choice": last} if (decisions or last) else {}

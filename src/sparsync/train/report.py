@@ -335,9 +335,27 @@ def write_report(out_dir: str | Path, run_dirs: list[str | Path], title: str, no
                    ("bytes_per_step.png", "bytes per step"), ("density.png", "achieved density")):
         lines += [f"![{cap}]({f})", ""]
     lines += ["## Every run", "", _run_table(summaries), ""]
+    lines += _auto_section(summaries)
     p = out_dir / "report.md"
     p.write_text("\n".join(lines))
     return p
+
+
+def _auto_section(summaries: list[dict]) -> list[str]:
+    """``reducer="auto"`` runs: each decision (step, merge group, reason, what it chose)."""
+    runs = [s for s in summaries if s.get("auto_decisions")]
+    if not runs:
+        return []
+    lines = ["## reducer=auto: its decisions", ""]
+    for s in runs:
+        lines += [f"`{s.get('path', s.get('name'))}` (final choice `{s.get('auto_final_choice')}`):", ""]
+        rows = [{"step": d["step"], "group": "–" if d.get("group") is None else d["group"], "reason": d["reason"],
+                 "chosen": f"`{d['chosen']}`" + ("" if d.get("switched") else " (kept)")} for d in s["auto_decisions"]]
+        lines += [_format_table(rows, [("step", "step"), ("group", "group"), ("reason", "reason"),
+                                       ("chosen", "chosen")], markdown=True), ""]
+    lines += ["Each decision's predicted ms, score and kept mass per candidate are in the run's metrics.jsonl "
+              "(`auto_decisions`).", ""]
+    return lines
 
 
 def network_caveats(network) -> list[str]:

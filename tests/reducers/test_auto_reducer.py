@@ -1,0 +1,334 @@
+"""``reducer="auto"`` on real thread ranks: the same decision on every rank from different local timings,
+no gradient lost across a switch (conservation), bitwise resume across a decision change, a link change
+(injected measured times) changes the decision, bad options refused in one line, and SparseDDP /
+``sparsync train --reducer auto`` end to end with the decisions in last_stats and metrics.jsonl."""
+
+import json
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.reducers.auto import AutoReducer, parse_candidate, penalty_factor
+from sparsync.reducers.registry import make_reducer
+from sparsync.threadcomm import ThreadWorld
+
+ATOL = 1e-5
+
+
+def _grad(rank, step, n):
+    g = torch.Generator().manual_seed(1000 * step + 17 * rank)
+    return torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+
+
+def _inject(per_call, window=None):
+    """A ``timings`` hook: per call ``per_call(rank, step, candidate) -> (wire_s, total_s)``; the
+    window's gap from ``window(rank, step)``; probe times untouched."""
+    def hook(r, ev):
+        if ev["event"] == "call":
+            w, t = per_call(r.comm.rank, r.step, ev["candidate"])
+            if w is None:  # exactly what the model predicts for this candidate: no deviation
+                w = r._wire(r.candidates[r.active], r.numel)
+                t = w + 1e-4
+            return {**ev, "wire_s": w, "total_s": t}
+        if ev["event"] == "window" and window is not None:
+            return {**ev, "gap_s": window(r.comm.rank, r.step)}
+        return ev
+    return hook
+
+
+def _run(comm, n, steps, per_call, window=None, **opts):
+    r = make_reducer("auto", comm, **opts)
+    r.timings = _inject(per_call, window)
+    rows = []
+    for t in range(steps):
+        g = _grad(comm.rank, t, n)
+        before = r.residual
+        before = None if before is None else before.clone()  # a reducer may reuse its residual's memory
+        out = r.reduce(g)
+        after = r.residual
+        rows.append({"g": g, "before": before, "out": out.clone(), "after": None if after is None else after.clone(),
+                     "choice": r.choice, "auto": r.stats["auto"]})
+    return rows, r.decisions
+
+
+def test_same_decision_on_every_rank_from_different_local_timings():
+    # every rank measures something else; rank 2 sees a much slower wire on dense. The decisions
+    # come from the maximum over ranks, so every rank switches at the same step to the same candidate.
+    def per_call(rank, step, cand):
+        slow = 0.5 if (rank == 2 and cand.startswith("dense")) else 0.001 * (rank + 1)
+        return slow, slow + 0.002 * rank
+    P, n, steps = 4, 4000, 16
+    res = ss.run_local(_run, P, n, steps, per_call, lambda rank, step: 0.01 * rank, backend="thread",
+                       candidates="dense,micro:0.05,micro:0.02:fp16", link={"flat": (1e-7, 1e-10)},
+                       check_every=3)
+    decisions = [d for _, d in res]
+    assert all(d == decisions[0] for d in decisions), decisions
+    assert decisions[0][0]["chosen"] == "dense"  # the declared fast link
+    assert any(d["switched"] and d["chosen"] != "dense" for d in decisions[0][1:]), decisions[0]
+    for t in range(steps):
+        assert len({rows[t]["choice"] for rows, _ in res}) == 1
+        full = [rows[t]["auto"].get("decision") for rows, _ in res]
+        assert all(f == full[0] for f in full)  # predictions, scores, kept mass: the same numbers
+        for rows, _ in res:
+            assert torch.equal(rows[t]["out"], res[0][0][t]["out"])
+
+
+#: declared links for n = 20000 floats on 4 ranks: bandwidth-bound (1 us per byte: dense's 120 kB cost
+#: 0.12 s, a 5 % micro call ~0.03 s) and fast (0.1 ns per byte: every wire under 0.1 ms)
+SLOW = {"flat": (1e-6, 1e-6)}
+FAST = {"flat": (1e-6, 1e-10)}
+N = 20000
+
+
+@pytest.mark.parametrize("first,then,link", [("micro:0.05", "dense", SLOW), ("dense", "topka:0.05", FAST),
+                                             ("micro:0.02", "micro:0.1", SLOW)])
+def test_conservation_across_a_switch(first, then, link):
+    # the declared link picks `first`; from step 4 the measured wire says otherwise (far faster than
+    # predicted on the slow link, far slower on the fast one): auto re-decides, and the old
+    # candidate's residual goes into the new one - nothing lost
+    def per_call(rank, step, cand):
+        if step < 4:
+            return None, None
+        return (1e-6, 1e-4) if link is SLOW else (2.0, 2.0)
+    P, steps = 4, 12
+    res = ss.run_local(_run, P, N, steps, per_call, backend="thread", candidates=[first, then], link=link,
+                       check_every=2, margin=0.0)
+    chosen = [rows[t]["choice"] for t in range(steps) for rows, _ in res[:1]]
+    assert chosen[0] == parse_candidate(first).spec and parse_candidate(then).spec in chosen, chosen
+    for t in range(steps):
+        out = res[0][0][t]["out"]
+        lhs = sum(rows[t]["g"].double() + (0 if rows[t]["before"] is None else rows[t]["before"].double())
+                  for rows, _ in res)
+        rhs = out.double() + sum(0 if rows[t]["after"] is None else rows[t]["after"].double() for rows, _ in res)
+        assert torch.allclose(lhs, rhs, rtol=0, atol=ATOL * P * 4), (t, (lhs - rhs).abs().max())
+    switch = chosen.index(parse_candidate(then).spec)
+    carried = [rows[switch]["before"] for rows, _ in res]
+    assert first == "dense" or all(c is not None and c.abs().sum() > 0 for c in carried)  # a residual moved
+
+
+def _resume(comm, n, steps, cut, per_call):
+    opts = dict(candidates="dense,micro:0.05,micro:0.02", link=SLOW, check_every=2, margin=0.0)
+    a = make_reducer("auto", comm, **opts)
+    a.timings = _inject(per_call, lambda rank, step: 0.01)
+    outs, choices = [], []
+    for t in range(steps):
+        outs.append(a.reduce(_grad(comm.rank, t, n)).clone())
+        choices.append(a.choice)
+        if t == cut:
+            state = a.state_dict()
+    b = make_reducer("auto", comm, **opts)
+    b.timings = _inject(per_call, lambda rank, step: 0.01)
+    b.load_state_dict(state)
+    for t in range(cut + 1, steps):
+        assert torch.equal(b.reduce(_grad(comm.rank, t, n)), outs[t]), f"step {t} differs after resume"
+        assert b.choice == choices[t]
+    return choices, a.decisions == b.decisions
+
+
+def test_bitwise_resume_across_a_decision_change():
+    def per_call(rank, step, cand):  # from step 5 the sparse wire is 1000x faster than predicted: a link change
+        return (1e-6, 1e-4) if (step >= 5 and cand.startswith("micro")) else (None, None)
+    res = ss.run_local(_resume, 4, N, 14, 3, per_call, backend="thread")
+    choices, same = res[0]
+    assert all(r == res[0] for r in res) and same
+    assert choices[3].startswith("micro") and choices[-1] == "dense", choices  # changed after the checkpoint
+
+
+def test_rate_change_changes_the_decision():
+    # dense on a fast declared link; from step 6 the measured dense wire is 0.4 s, 1000x its
+    # prediction (the link dropped): auto re-decides at its next check, for the sparse candidate
+    def per_call(rank, step, cand):
+        return (0.4, 0.41) if step >= 6 else (2e-5, 5e-5)
+    res = ss.run_local(_run, 4, N, 14, per_call, lambda rank, step: 0.05, backend="thread",
+                       candidates="dense,micro:0.02", link=FAST, check_every=2)
+    rows, decisions = res[0]
+    assert rows[0]["choice"] == "dense"
+    changed = [d for d in decisions if d["switched"] and d["chosen"] == "micro:0.02"]
+    assert changed and 6 <= changed[0]["step"] <= 6 + 2 + 1, decisions
+    assert "link changed" in changed[0]["reason"]
+
+
+def test_penalty_and_candidates():
+    assert penalty_factor(1.0) == 1.0 and penalty_factor(0.5, 0.1) == pytest.approx(1.1)
+    assert penalty_factor(0.2) > penalty_factor(0.4) > 1
+    assert parse_candidate("micro:0.02:fp16").spec == "micro:0.02:fp16"
+    assert parse_candidate("hier:micro:0.01").outer == "micro"
+    assert parse_candidate("dense:fp16").value_dtype == "fp16"
+    comm = ThreadWorld(4).comms()[0]
+    r = make_reducer("auto", comm)
+    assert [c.spec for c in r.candidates][:3] == ["dense", "dense:fp16", "micro:0.01"] and not r.conserving
+    assert not any(c.reducer == "hier" for c in r.candidates)  # one site
+    h = make_reducer("auto", comm, sites="2x2")
+    assert any(c.spec == "hier:micro:0.01:fp16" for c in h.candidates)
+    assert make_reducer("auto", comm, candidates="dense,micro:0.01").conserving
+    r = make_reducer("auto", comm, values="fp32", densities="0.02/0.1")  # CLI spellings
+    assert [c.spec for c in r.candidates] == ["dense", "micro:0.02", "micro:0.1"] and r.conserving
+
+
+@pytest.mark.parametrize("opts,match", [
+    ({"candidates": "dense,nosuch:0.01"}, "unknown reducer 'nosuch'"),
+    ({"candidates": "micro:2"}, "neither a density"),
+    ({"candidates": "hier:0.01"}, "needs its outer"),
+    ({"candidates": "hier:micro:0.01"}, "several sites"),
+    ({"candidates": "gtopk:0.01:fp16"}, "cannot send fp16"),
+    ({"decide_every": 0}, "decide_every"),
+    ({"densities": "0.01/x"}, "densities"),
+    ({"values": "fp8"}, "values"),
+    ({"probe": False}, "probe=False needs link"),
+    ({"deviation": 1.0}, "deviation"),
+    ({"value_dtype": "fp16"}, "chooses the value precision"),
+    ({"link": {"intra": (1, 1)}}, "'flat'"),
+])
+def test_bad_options_are_refused_in_one_line(opts, match):
+    with pytest.raises(ValueError, match=match):
+        make_reducer("auto", ThreadWorld(4).comms()[0], **opts)
+
+
+def test_dense_fp16_is_the_fp16_hook():
+    def f(comm):
+        r = make_reducer("dense", comm, value_dtype="fp16")
+        return r.reduce(_grad(comm.rank, 0, 1000)), r.stats["bytes_received"], r.conserving
+    res = ss.run_local(f, 4, backend="thread")
+    ref = sum(_grad(r, 0, 1000).half().float() for r in range(4))
+    assert all(torch.equal(o, res[0][0]) for o, _, _ in res)
+    assert torch.allclose(res[0][0], ref, rtol=2e-3, atol=2e-2)
+    assert res[0][1] == 2 * 3 * 1000 * 2 // 4 and res[0][2] is False
+
+
+def _sgd(fwd, model, rank, steps, after=lambda: None):
+    """``steps`` SGD steps of ``fwd`` on per-rank random batches (20 features, 4 classes)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + rank)
+        x, y = torch.randn(16, 20, generator=g), torch.randint(0, 4, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(fwd(x), y).backward()
+        opt.step()
+        after()
+
+
+def _ddp(comm, steps):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = ss.SparseDDP(model, comm, reducer="auto", merge="wfbp",
+                       reducer_options={"candidates": "dense/micro:0.05", "check_every": 2})
+    stats = []
+    _sgd(ddp, model, comm.rank, steps, lambda: stats.append(ddp.last_stats["auto"]))
+    state = ddp.sparsync_state_dict()
+    ddp.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), stats, state
+
+
+def test_sparse_ddp_reports_each_groups_choice_and_keeps_ranks_identical():
+    res = ss.run_local(_ddp, 3, 6, backend="thread")
+    params, stats, state = res[0]
+    assert all(torch.equal(p, params) for p, _, _ in res)
+    assert len(stats[0]) >= 2 and [a["group"] for a in stats[0]] == sorted(a["group"] for a in stats[0])
+    assert all("decision" in a and a["decision"]["reason"] == "start" for a in stats[0])
+    assert all(a["choice"] in ("dense", "micro:0.05") for st in stats for a in st)
+    assert all(s["extra"]["active"] is not None for s in state["reducers"])
+
+
+def test_train_cli_auto_end_to_end(tmp_path):
+    from sparsync.cli import main
+
+    rc = main(["train", "--thread", "--workers", "2", "--reducer", "auto", "--steps", "6", "--eval-every", "3",
+               "--runs-dir", str(tmp_path), "--name", "a", "--no-progress", "--option", "check_every=2"])
+    assert rc in (0, None)
+    rows = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("auto_choice") for r in rows)
+    assert rows[0]["auto_decisions"][0]["reason"] == "start"
+    assert set(rows[0]["auto_decisions"][0]["predicted_ms"]) >= {"dense", "dense:fp16", "micro:0.01:fp16"}
+    summary = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary["auto_decisions"][0]["step"] == 0 and summary["auto_final_choice"] == rows[-1]["auto_choice"]
+
+
+def test_train_cli_refuses_a_bad_auto_option(tmp_path, capsys):
+    from sparsync.cli import main
+
+    rc = main(["train", "--thread", "--workers", "2", "--reducer", "auto", "--steps", "2", "--runs-dir",
+               str(tmp_path), "--name", "b", "--no-progress", "--option", "candidates=dense/bogus:0.01"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "unknown reducer 'bogus'" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "b").exists()
+
+
+def test_auto_is_a_registered_reducer_module():
+    assert isinstance(make_reducer("auto", ThreadWorld(2).comms()[0]), AutoReducer)
+
+
+def test_probed_link_drop_is_named_and_changes_the_decision():
+    # no declared link: the probe runs (thread ranks), its times injected from a ring model whose
+    # bandwidth drops 20x at step 6 - per rank a little different; every call of the active candidate
+    # costs what the model says. auto re-probes when the call times deviate and names the link change.
+    P, n = 4, N
+
+    def ring(rank, step, nbytes, rounds):
+        beta = (1e-7 if step < 6 else 2e-6) * (1 + 0.1 * rank)  # 10 MB/s, then 0.5 MB/s
+        return 1e-4 * rounds + beta * nbytes
+
+    def hook(r, ev):
+        rank, step = r.comm.rank, r.step
+        if ev["event"] == "probe":
+            p = r.comm.world_size if ev["level"] == "flat" else 2
+            return {**ev, "time_s": ring(rank, step, 2 * (p - 1) * 4 * ev["numel"] / p, 2 * (p - 1))}
+        if ev["event"] == "call":
+            c = r._last_cost  # this call's ledger
+            w = ring(rank, step, c["bytes_received"], c["rounds"])
+            return {**ev, "wire_s": w, "total_s": w + 1e-4}
+        if ev["event"] == "window":
+            return {**ev, "gap_s": 0.01}
+        return ev
+
+    def run(comm):
+        r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=2, penalty=1.0)
+        r.timings = hook
+        for t in range(14):
+            r.reduce(_grad(comm.rank, t, n))
+        return r.decisions
+
+    res = ss.run_local(run, P, backend="thread")
+    assert all(d == res[0] for d in res)
+    assert [d for d in res[0] if d["step"] < 6][-1]["chosen"] == "dense", res[0]  # once a gap was measured
+    later = [d for d in res[0] if d["step"] >= 6 and d["chosen"] == "micro:0.02" and d["switched"]]
+    assert later and 6 <= later[0]["step"] <= 10 and "link changed" in later[0]["reason"], res[0]
+
+
+def _hook_run(comm, steps):
+    from torch import nn
+
+    torch.manual_seed(1)
+    m = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4)))
+    hook = ss.ddp_hook("auto", module=m, candidates="dense/micro:0.05", check_every=2)
+    m.register_comm_hook(None, hook)
+    _sgd(m, m, comm.rank, steps)
+    choices = [r.choice for _, r in sorted(hook.reducers.items())]
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), choices
+
+
+def test_ddp_hook_auto_keeps_ranks_identical():
+    res = ss.run_local(_hook_run, 2, 5, backend="gloo")
+    assert torch.equal(res[0][0], res[1][0]) and res[0][1] == res[1][1]
+    assert res[0][1] and all(c in ("dense", "micro:0.05") for c in res[0][1])
+
+
+def test_sites_bring_hier_in_and_it_conserves():
+    # two sites of two ranks, a fast link inside a site and a slow one between: the hierarchical
+    # exchange is predicted cheaper than flat micro; switching from flat micro into it carries the residual
+    link = {"flat": (1e-6, 1e-6), "intra": (1e-6, 1e-10), "inter": (1e-6, 1e-6)}
+
+    def per_call(rank, step, cand):
+        return None, None
+    P, steps = 4, 6
+    res = ss.run_local(_run, P, N, steps, per_call, backend="thread", sites="2x2", link=link, check_every=2,
+                       candidates="micro:0.05/hier:micro:0.05", margin=0.0)
+    rows, decisions = res[0]
+    assert rows[0]["choice"] == "hier:micro:0.05", decisions
+    assert set(rows[0]["auto"]["decision"]["predicted_ms"]) == {"micro:0.05", "hier:micro:0.05"}
+    for t in range(steps):
+        assert all(torch.equal(r[t]["out"], rows[t]["out"]) for r, _ in res)
+        lhs = sum(r[t]["g"].double() + (0 if r[t]["before"] is None else r[t]["before"].double()) for r, _ in res)
+        rhs = rows[t]["out"].double() + sum(r[t]["after"].double() for r, _ in res)
+        assert torch.allclose(lhs, rhs, rtol=0, atol=ATOL * P * 4)
