@@ -485,15 +485,43 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
     os._exit(0 if status == "ok" else 1)
 
 
+#: Name prefix torch gives autograd's per-device worker threads (``pt_autograd_<device>``).
+AUTOGRAD_THREAD_PREFIX = "pt_autograd_"
+
+
+def autograd_threads_started() -> bool:
+    """Whether autograd's per-device worker threads run in this process (Linux: thread names).
+
+    torch starts them at the first backward pass on a machine where an accelerator is visible,
+    whatever device that backward ran on; from then on a forked child cannot run a backward pass
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing"), and
+    the device-count query behind them has initialised the driver, so it cannot use CUDA either.
+    On a CPU-only machine they never start. ``False`` where thread names cannot be read."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(AUTOGRAD_THREAD_PREFIX):
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
+
+
 def _pick_start_method(requested):
-    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here: a forked child cannot
-    use it then, so ``spawn``. Only torch's flag is read: ``torch.cuda.is_available()`` asks the
-    driver, after which no forked child can use CUDA either (torch refuses: "Cannot re-initialize
-    CUDA in forked subprocess") - a caller that did so and whose ranks use CUDA passes
-    ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before asking."""
+    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here or autograd's device
+    threads run (:func:`autograd_threads_started`): a forked child could use neither, so ``spawn``
+    (``fn`` and its arguments must then pickle). Only torch's flag is read for CUDA:
+    ``torch.cuda.is_available()`` asks the driver, after which no forked child can use CUDA either
+    (torch refuses: "Cannot re-initialize CUDA in forked subprocess") - a caller that did so and
+    whose ranks use CUDA passes ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1``
+    before asking."""
     if requested:
         return requested
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    return "spawn" if torch.cuda.is_initialized() or autograd_threads_started() else "fork"
 
 
 def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None):

@@ -47,7 +47,8 @@ from .. import native
 #: shared last-level cache together)
 CHUNK = 1 << 18
 
-__all__ = ["scratch_buffer", "topk_indices", "topk_rows", "topk_select"]
+__all__ = ["DEVICE_TOPK_BELOW", "sampled_rows", "scratch_buffer", "topk_indices", "topk_rows", "topk_select",
+           "torch_topk_rows"]
 
 #: Cap on step 1's sample (the balance ``4 (k bs)^(1/3)`` in ``_sample_threshold`` reaches it only for
 #: ``k bs > 4.4e12``, e.g. ``bs = 2e7`` at 1 %): each strided sample element is a cache miss (64 K of
@@ -76,6 +77,13 @@ _MIN_ROW = 1 << 15
 _WORD = 8  # bytes of the int64 word the flags are scanned in (``nonzero`` over words, then inside)
 _MAX_FRACTION = 8  # k > bs / 8: the exact path directly (candidates would be most of the row)
 _SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile (8 // itemsize per word)
+#: On an accelerator, matrices of fewer elements than this take :func:`torch_topk_rows` (torch's
+#: radix select, then the tie check): there the sampled path's dozen small kernels and host
+#: synchronisations cost more than torch's select up to a few times 1e7 elements, while above it
+#: torch's select makes several passes over memory and the sampled path one. The cut-off is the
+#: crossover of the two paths on an H200 (``tools/gpu_select_bench.py``, ``docs/benchmarks.md``,
+#: "On a GPU"); rows too short to sample, or ``k > bs / 8``, take torch's select at any size there.
+DEVICE_TOPK_BELOW = 1 << 26
 
 
 def _check_k(k, bs: int) -> int:
@@ -134,8 +142,18 @@ def topk_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Ten
     if k == bs:
         return torch.arange(bs, device=dev).expand(m, bs).clone()
     X = X.contiguous()
+    if _takes_torch_topk(X, k):
+        return torch_topk_rows(X, k)
     if bs < _MIN_ROW or k * _MAX_FRACTION > bs:
         return _exact_rows(X, k)
+    return sampled_rows(X, k, scratch)
+
+
+def sampled_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Tensor:
+    """:func:`topk_rows` by steps 1-3 (sample, compaction, select among the candidates) for a
+    contiguous ``[m, bs]`` floating-point ``X`` and ``1 <= k < bs``."""
+    m, bs = X.shape
+    dev = X.device
     t = _sample_threshold(X, k)
     flat, cand_abs = _candidates(X, t, scratch)
     if m == 1:
@@ -155,6 +173,40 @@ def topk_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Ten
         remap = torch.cumsum(ok.long(), 0) - 1  # row -> its position among the good rows
         sub = _finish(flat[sel], cand_abs[sel], remap[grows], counts[good], good.numel(), k)
         out[good] = sub.view(-1, k) - good[:, None] * bs
+    return out
+
+
+def _takes_torch_topk(X: torch.Tensor, k: int) -> bool:
+    """Whether :func:`topk_rows` runs :func:`torch_topk_rows` (accelerators only; see ``DEVICE_TOPK_BELOW``)."""
+    if X.device.type == "cpu":
+        return False
+    bs = X.shape[1]
+    return X.numel() < DEVICE_TOPK_BELOW or bs < _MIN_ROW or k * _MAX_FRACTION > bs
+
+
+def torch_topk_rows(X: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_rows` through ``torch.topk`` for a contiguous ``[m, bs]`` floating-point ``X`` and
+    ``1 <= k < bs``, with the documented tie rule.
+
+    ``torch.topk`` of ``k + 1`` magnitudes per row returns the ``k + 1`` largest values, but among
+    equal magnitudes it picks any index (on CUDA, not the lowest) and it ranks NaN above every
+    number. Where the smallest of the ``k + 1`` values occurs once and no value is NaN, the
+    ``k``-th magnitude is strictly above the ``(k + 1)``-th, so the top ``k`` is the ``k + 1``
+    minus that entry, whatever the tie rule: its indices, sorted, are the answer. Rows where this
+    does not hold (ties at the ``k``-th magnitude, NaN) take the exact path (:func:`_exact_rows`).
+    One host synchronisation (the check), no pass over ``X`` besides ``|X|`` and the select.
+    """
+    m, bs = X.shape
+    vals, idx = torch.topk(X.abs(), k + 1, dim=1, sorted=False)
+    last = vals.argmin(dim=1, keepdim=True)
+    vmin = vals.gather(1, last)
+    clean = ((vals == vmin).sum(1) == 1) & (vals == vals).all(1)  # NaN != NaN: a NaN row is not clean
+    col = torch.arange(k, device=X.device)
+    out = torch.where(col == last, idx[:, k:], idx[:, :k]).sort(dim=1).values  # drop the (k+1)-th
+    if bool(clean.all()):
+        return out
+    bad = (~clean).nonzero().flatten()
+    out[bad] = _exact_rows(X[bad], k)
     return out
 
 
