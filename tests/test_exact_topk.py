@@ -203,6 +203,10 @@ def test_torch_topk_path_dtypes_and_tie_fallback(monkeypatch):
     monkeypatch.setattr(exact, "_exact_rows", lambda A, k: called.append(A.shape[0]) or real(A, k))
     exact.torch_topk_rows(X, 30)
     assert called == [2]  # only the tied row and the NaN row
+    for row in (1, 3):  # one row: ties at the k-th magnitude without NaN are finished among |x| >= it
+        got = exact.torch_topk_rows(X[row:row + 1], 30)[0]
+        assert torch.equal(got, oracle(X[row], 30))
+    assert called == [2, 1]  # the NaN row alone took the exact path
     assert not exact._takes_torch_topk(X, 30)  # the CPU keeps its own paths
 
 

@@ -190,21 +190,31 @@ def torch_topk_rows(X: torch.Tensor, k: int) -> torch.Tensor:
 
     ``torch.topk`` of ``k + 1`` magnitudes per row returns the ``k + 1`` largest values, but among
     equal magnitudes it picks any index (on CUDA, not the lowest) and it ranks NaN above every
-    number. Where the smallest of the ``k + 1`` values occurs once and no value is NaN, the
-    ``k``-th magnitude is strictly above the ``(k + 1)``-th, so the top ``k`` is the ``k + 1``
-    minus that entry, whatever the tie rule: its indices, sorted, are the answer. Rows where this
-    does not hold (ties at the ``k``-th magnitude, NaN) take the exact path (:func:`_exact_rows`).
-    One host synchronisation (the check), no pass over ``X`` besides ``|X|`` and the select.
+    number. Where exactly ``k`` of the ``k + 1`` values are above their smallest (so none is NaN),
+    the ``k``-th magnitude is strictly above the ``(k + 1)``-th, so the top ``k`` is the ``k + 1``
+    minus that smallest entry, whatever the tie rule: its indices, sorted, are the answer. One host
+    synchronisation (the check), no pass over ``X`` besides ``|X|`` and the select.
+
+    Otherwise (the ``k``-th and ``(k + 1)``-th magnitudes are equal: likely in fp32 once ``bs`` is
+    ~1e7 or more, the values near the cut being that dense) a single NaN-free row takes every index
+    with ``|x| >=`` that magnitude (one compare and compaction) and step 3 among them
+    (:func:`_finish1`); rows of a matrix, and rows with NaN, take the exact path (:func:`_exact_rows`).
     """
     m, bs = X.shape
-    vals, idx = torch.topk(X.abs(), k + 1, dim=1, sorted=False)
+    a = X.abs()
+    vals, idx = torch.topk(a, k + 1, dim=1, sorted=False)
     last = vals.argmin(dim=1, keepdim=True)
     vmin = vals.gather(1, last)
-    clean = ((vals == vmin).sum(1) == 1) & (vals == vals).all(1)  # NaN != NaN: a NaN row is not clean
+    # exactly k values above the smallest: no tie at the cut and no NaN (torch.topk ranks NaN above
+    # every number, and NaN > v is false whether vmin or another value is the NaN)
+    clean = (vals > vmin).sum(1) == k
     col = torch.arange(k, device=X.device)
     out = torch.where(col == last, idx[:, k:], idx[:, :k]).sort(dim=1).values  # drop the (k+1)-th
     if bool(clean.all()):
         return out
+    if m == 1 and bool((vals == vals).all()):  # ties at the k-th magnitude vmin: all entries >= it, then step 3
+        flat = torch.nonzero(a[0] >= vmin[0]).squeeze(1)
+        return _finish1(flat, a[0].index_select(0, flat), k).view(1, k)
     bad = (~clean).nonzero().flatten()
     out[bad] = _exact_rows(X[bad], k)
     return out
