@@ -83,7 +83,7 @@ _SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile 
 #: torch's select makes several passes over memory and the sampled path one. The cut-off is the
 #: crossover of the two paths on an H200 (``tools/gpu_select_bench.py``, ``docs/benchmarks.md``,
 #: "On a GPU"); rows too short to sample, or ``k > bs / 8``, take torch's select at any size there.
-DEVICE_TOPK_BELOW = 1 << 26
+DEVICE_TOPK_BELOW = 1 << 24
 
 
 def _check_k(k, bs: int) -> int:
@@ -188,35 +188,37 @@ def torch_topk_rows(X: torch.Tensor, k: int) -> torch.Tensor:
     """:func:`topk_rows` through ``torch.topk`` for a contiguous ``[m, bs]`` floating-point ``X`` and
     ``1 <= k < bs``, with the documented tie rule.
 
-    ``torch.topk`` of ``k + 1`` magnitudes per row returns the ``k + 1`` largest values, but among
-    equal magnitudes it picks any index (on CUDA, not the lowest) and it ranks NaN above every
-    number. Where exactly ``k`` of the ``k + 1`` values are above their smallest (so none is NaN),
-    the ``k``-th magnitude is strictly above the ``(k + 1)``-th, so the top ``k`` is the ``k + 1``
-    minus that smallest entry, whatever the tie rule: its indices, sorted, are the answer. One host
-    synchronisation (the check), no pass over ``X`` besides ``|X|`` and the select.
+    ``torch.topk`` returns the ``k`` largest magnitudes, but among equal ones it picks any index (on
+    CUDA, not the lowest), and it ranks NaN above every number. Its ``k``-th value ``v`` (the
+    smallest it returned) decides: where exactly ``k`` entries of the row have ``|x| >= v``, no entry
+    outside ties with ``v`` and no NaN was taken (``|x| >= NaN`` is false), so its indices, sorted,
+    are the answer. A single row with more (ties at ``v``: likely in fp32 once ``bs`` is ~1e7, the
+    values near the cut being that dense) takes every index with ``|x| >= v`` (one compare and
+    compaction) and step 3 among them (:func:`_finish1`); rows of a matrix with ties, and rows with
+    NaN, take the exact path (:func:`_exact_rows`).
 
-    Otherwise (the ``k``-th and ``(k + 1)``-th magnitudes are equal: likely in fp32 once ``bs`` is
-    ~1e7 or more, the values near the cut being that dense) a single NaN-free row takes every index
-    with ``|x| >=`` that magnitude (one compare and compaction) and step 3 among them
-    (:func:`_finish1`); rows of a matrix, and rows with NaN, take the exact path (:func:`_exact_rows`).
+    Few operations, each launched before the one host synchronisation (the count): on a GPU at
+    these sizes every operation's launch costs about as much as its work.
     """
     m, bs = X.shape
     a = X.abs()
-    vals, idx = torch.topk(a, k + 1, dim=1, sorted=False)
-    last = vals.argmin(dim=1, keepdim=True)
-    vmin = vals.gather(1, last)
-    # exactly k values above the smallest: no tie at the cut and no NaN (torch.topk ranks NaN above
-    # every number, and NaN > v is false whether vmin or another value is the NaN)
-    clean = (vals > vmin).sum(1) == k
-    col = torch.arange(k, device=X.device)
-    out = torch.where(col == last, idx[:, k:], idx[:, :k]).sort(dim=1).values  # drop the (k+1)-th
-    if bool(clean.all()):
+    vals, idx = torch.topk(a, k, dim=1, sorted=False)
+    out = idx.sort(dim=1).values  # queued before the check: the GPU sorts while the host waits below
+    v = vals.amin(dim=1, keepdim=True)  # the k-th magnitude (NaN if torch.topk took a NaN)
+    count = (a >= v).sum(1)
+    if m == 1:
+        c = int(count)
+        if c == k:
+            return out
+        if c > k:  # ties at v: every entry >= v, then the lowest indices among those equal to v
+            flat = torch.nonzero(a[0] >= v[0]).squeeze(1)
+            return _finish1(flat, a[0].index_select(0, flat), k).view(1, k)
+        return _exact_rows(X, k)  # NaN taken: fewer than k entries >= NaN
+    bad = count != k
+    if not bool(bad.any()):
         return out
-    if m == 1 and bool((vals == vals).all()):  # ties at the k-th magnitude vmin: all entries >= it, then step 3
-        flat = torch.nonzero(a[0] >= vmin[0]).squeeze(1)
-        return _finish1(flat, a[0].index_select(0, flat), k).view(1, k)
-    bad = (~clean).nonzero().flatten()
-    out[bad] = _exact_rows(X[bad], k)
+    rows = bad.nonzero().flatten()
+    out[rows] = _exact_rows(X[rows], k)
     return out
 
 
