@@ -137,7 +137,8 @@ def _backward_on_rank(comm):
 def test_ranks_spawn_once_autograd_device_threads_run():
     """After a backward pass on a machine with an accelerator, torch's autograd device threads
     (``pt_autograd_<d>``) run in the parent and a forked rank could not run backward: the ranks are
-    spawned then. A CPU-only machine never starts them, so a thread given that name stands in."""
+    spawned then, where the function pickles. A CPU-only machine never starts them, so a thread
+    given that name stands in."""
     import ctypes
     import threading
 
@@ -159,6 +160,11 @@ def test_ranks_spawn_once_autograd_device_threads_run():
         assert launch.autograd_threads_started()
         assert launch._pick_start_method(None) == "spawn"
         assert launch._pick_start_method("fork") == "fork"  # an explicit choice is kept
+        # a local function cannot be sent to a spawned rank: forked (collectives need no backward)
+        assert launch._pick_start_method(None, (lambda comm: comm.rank, (), {}, None)) == "fork"
+        assert launch._pick_start_method(None, (_backward_on_rank, (), {}, None)) == "spawn"
+        assert ss.run_local(lambda comm: comm.allreduce(torch.ones(2)).tolist(), 2, backend="gloo",
+                            timeout=60) == [[2.0, 2.0]] * 2
         assert ss.run_local(_backward_on_rank, 2, backend="gloo", timeout=60) == [18.0, 18.0]  # 3 * 2 * (1 + 2)
     finally:
         stop.set()

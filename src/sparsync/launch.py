@@ -25,9 +25,10 @@
 * A rank that is stopped (SIGSTOP, a debugger) is named as the culprit when the others time out.
 * ``timeout`` is a *stall* timeout, not a deadline: the run is stopped when no rank has made
   progress for ``timeout`` seconds - a collective that waits that long fails in the ranks, and the
-  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step; for a
-  function that never beats, ``timeout`` counts from the start, a deadline; the rendezvous, too,
-  must complete within it). ``time_limit`` (default none) is the separate limit on the whole run.
+  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step, and
+  every rank once when its process is up: the timeout counts once every rank is up, which may take
+  ``STARTUP_S``; for a function that never beats, ``timeout`` counts from there, a deadline; the
+  rendezvous, too, must complete within it). ``time_limit`` (default none) is the separate limit on the whole run.
 * ``world_size`` of process ranks is bounded before anything starts (:func:`check_local_workers`:
   file descriptors, processes, memory, cores), with one line naming the limit that binds.
 * ``placement``: an optional callable ``placement(rank) -> dict`` run in the child before the
@@ -453,6 +454,7 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
     try:
         _die_with_parent(parent_pid, rank, reaper_fd)
         _HEARTBEAT = (beats, rank)
+        progress()  # the rank is up: a spawned rank's interpreter start is not a stall
         torch.set_num_threads(1)
         env = placement(rank) if placement else {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         os.environ.update(env or {})
@@ -485,6 +487,9 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
     os._exit(0 if status == "ok" else 1)
 
 
+#: seconds a rank process may take to start (to its first beat: a spawned rank imports torch and
+#: the caller's modules first) before the run fails; the stall timeout counts once every rank is up
+STARTUP_S = 120.0
 #: Name prefix torch gives autograd's per-device worker threads (``pt_autograd_<device>``).
 AUTOGRAD_THREAD_PREFIX = "pt_autograd_"
 
@@ -511,21 +516,36 @@ def autograd_threads_started() -> bool:
     return False
 
 
-def _pick_start_method(requested):
-    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here or autograd's device
-    threads run (:func:`autograd_threads_started`): a forked child could use neither, so ``spawn``
-    (``fn`` and its arguments must then pickle). Only torch's flag is read for CUDA:
-    ``torch.cuda.is_available()`` asks the driver, after which no forked child can use CUDA either
-    (torch refuses: "Cannot re-initialize CUDA in forked subprocess") - a caller that did so and
-    whose ranks use CUDA passes ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1``
-    before asking."""
+def _pick_start_method(requested, payload=()):
+    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here, or autograd's device
+    threads run (:func:`autograd_threads_started`) and ``payload`` (``fn``, its arguments, the
+    placement) pickles: then ``spawn``. A forked child could not use CUDA after the first, nor run a
+    backward pass after the second; a payload that does not pickle (a local function: collectives
+    that need no backward pass) is still forked, and a backward pass in it fails with torch's error.
+    Only torch's flag is read for CUDA: ``torch.cuda.is_available()`` asks the driver, after which no
+    forked child can use CUDA either (torch refuses: "Cannot re-initialize CUDA in forked
+    subprocess") - a caller that did so and whose ranks use CUDA passes ``start_method="spawn"``, or
+    sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before asking."""
     if requested:
         return requested
-    return "spawn" if torch.cuda.is_initialized() or autograd_threads_started() else "fork"
+    if torch.cuda.is_initialized():
+        return "spawn"
+    return "spawn" if autograd_threads_started() and _pickles(payload) else "fork"
+
+
+def _pickles(obj) -> bool:
+    """Whether ``spawn`` can send ``obj`` (its pickler: tensors go to shared memory, as they would)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(obj)
+    except Exception:  # noqa: BLE001 - any failure to pickle (local objects, locks, open files) means fork
+        return False
+    return True
 
 
 def _run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None):
-    ctx = mp.get_context(_pick_start_method(start_method))
+    ctx = mp.get_context(_pick_start_method(start_method, (fn, args, kwargs, placement)))
     tmp = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []
@@ -655,7 +675,15 @@ def _collect(procs, conns, world_size, timeout, beats=None, time_limit=None):
         if time_limit is not None and now - start > time_limit:
             raise RankFailed(f"the run exceeded its time limit of {time_limit:g} s (--time-limit); ranks {missing} "
                              f"of {world_size} were still running and were stopped")
-        last = max(start, max(beats)) if beats is not None else start
+        if beats is not None and not all(beats):  # a rank is not up yet (a spawned one imports torch first)
+            if now - start > max(STARTUP_S, timeout):
+                _kill_all(procs)
+                late = [r for r in range(world_size) if not beats[r]]
+                raise RankFailed(f"ranks {late} of {world_size} did not start within "
+                                 f"{max(STARTUP_S, timeout):g} s; every rank was stopped")
+            last = now
+        else:
+            last = max(start, max(beats)) if beats is not None else start
         stall = timeout + _stall_grace(timeout)
         if now - last > stall:
             _blame_stopped(procs, world_size, None, f"no progress for {now - last:.0f} s")
@@ -703,7 +731,8 @@ def _kill_all(procs):
 def comm_from_env(backend: str | None = None, timeout: float = 300.0, die_with_agent: bool | None = None):
     """A TorchComm for a process started by ``torchrun`` (env:// rendezvous: RANK, WORLD_SIZE, ...).
 
-    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. ``die_with_agent`` (default:
+    ``backend`` defaults to NCCL when there is a CUDA device for every local rank (NCCL refuses two
+    ranks on one GPU), gloo otherwise. ``die_with_agent`` (default:
     when torchrun's agent started us, ``TORCHELASTIC_RUN_ID`` set): this worker gets SIGKILL when its
     parent - the agent - dies (:func:`die_with_parent`), as ``run_local``'s ranks do, so a killed
     agent leaves no worker training on.
@@ -720,9 +749,14 @@ def comm_from_env(backend: str | None = None, timeout: float = 300.0, die_with_a
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             raise RuntimeError(f"not started by torchrun: environment variables {missing} are missing")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        local_rank, local_ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = backend or ("nccl" if gpus >= local_ranks else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            if local_rank >= gpus:
+                raise ValueError(f"NCCL needs a GPU per local rank: local rank {local_rank} of {local_ranks}, "
+                                 f"{gpus} CUDA devices here (use backend='gloo')")
+            torch.cuda.set_device(local_rank)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
         # under `torchrun --max-restarts` every attempt shares the agent's store: keys of a dead
         # attempt (its ranks' gloo addresses) would make the next attempt connect to dead ports

@@ -29,7 +29,9 @@ The only full-size work is step 2 (one read of ``x``; no ``|x|`` copy, no mask o
 Rows whose sample was unlucky (fewer than ``k`` candidates; also all-zero or mostly-NaN rows) are
 finished by the exact path - the k-th magnitude of the whole row, then step 3 - so the result is
 exact whatever the data; only the speed depends on the sample. Small rows (``bs < 32768``) and
-high densities (``k > bs / 8``) take that exact path directly. Measured against ``torch.topk`` in
+high densities (``k > bs / 8``) take that exact path directly. On an accelerator (CUDA) small
+matrices take ``torch.topk`` instead, with a check that enforces the tie rule
+(:func:`torch_topk_rows`; ``DEVICE_TOPK_BELOW``). Measured against ``torch.topk`` in
 ``docs/benchmarks.md`` (``sparsync bench-select --parts exact``: ~30x with the C pass, ~10x with
 the torch pass).
 """
@@ -78,11 +80,11 @@ _WORD = 8  # bytes of the int64 word the flags are scanned in (``nonzero`` over 
 _MAX_FRACTION = 8  # k > bs / 8: the exact path directly (candidates would be most of the row)
 _SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile (8 // itemsize per word)
 #: On an accelerator, matrices of fewer elements than this take :func:`torch_topk_rows` (torch's
-#: radix select, then the tie check): there the sampled path's dozen small kernels and host
-#: synchronisations cost more than torch's select up to a few times 1e7 elements, while above it
-#: torch's select makes several passes over memory and the sampled path one. The cut-off is the
-#: crossover of the two paths on an H200 (``tools/gpu_select_bench.py``, ``docs/benchmarks.md``,
-#: "On a GPU"); rows too short to sample, or ``k > bs / 8``, take torch's select at any size there.
+#: radix select, then the tie check): there every operation's launch costs about as much as its
+#: work, and the sampled path has about three times as many operations as torch's select, while
+#: above it torch's select makes several passes over memory and the sampled path one. The two
+#: crossed between 1e7 and 3e7 elements on an H200 (``docs/benchmarks.md``, "On a GPU"); rows too
+#: short to sample, or ``k > bs / 8``, take torch's select at any size there.
 DEVICE_TOPK_BELOW = 1 << 24
 
 
