@@ -128,7 +128,7 @@ class DDPHook:
                 state = own_group(getattr(state, "process_group", None))
             elif state is None or state is getattr(self.module, "process_group", None):
                 state = own_group(state)
-            self.comm = state if isinstance(state, Comm) else _as_comm(state)
+            self.comm = state if isinstance(state, Comm) else _as_comm(state, self.module)
             if self._loaded is not None:  # loaded before the rank was known (unpickled)
                 self._load_own(self._loaded)
         return self.comm

@@ -121,7 +121,7 @@ class SparseDDP(nn.Module):
             merge = "single" if bucket_cap_mb is None else f"buckets:{float(bucket_cap_mb):g}"
         elif bucket_cap_mb is not None:
             raise ValueError("pass either merge= or bucket_cap_mb=, not both")
-        comm = _as_comm(comm if comm is not None else process_group)
+        comm = _as_comm(comm if comm is not None else process_group, module)
         self.module = module
         self.comm = comm
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -305,14 +305,20 @@ def _check_devices(module, device_ids, output_device):
 
 
 # ---------------------------------------------------------------------- helpers
-def _as_comm(comm):
+def _as_comm(comm, module: nn.Module | None = None):
+    """``comm`` if it is a :class:`~sparsync.comm.Comm`, else a ``TorchComm`` over that process group
+    (None: the default one). With ``module`` whose parameters all lie on one accelerator the
+    ``TorchComm`` works on that device (gloo carries CUDA tensors, point-to-point messages staged
+    through host memory: :mod:`sparsync.torchcomm`); otherwise on the backend's default device."""
     from .comm import Comm
 
     if isinstance(comm, Comm):
         return comm
     from .torchcomm import TorchComm
 
-    return TorchComm(group=comm)
+    devs = {p.device for p in module.parameters()} if module is not None else set()
+    device = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type != "cpu" else None
+    return TorchComm(group=comm, device=device)
 
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,

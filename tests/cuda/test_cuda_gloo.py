@@ -212,3 +212,26 @@ def _resume_across_devices(comm, names):
 def test_state_dict_moves_between_cuda_and_cpu_and_resumes_bitwise():
     res = ss.run_local(_resume_across_devices, 2, NAMES, backend="gloo", timeout=TIMEOUT)
     assert all(r == {n: "ok" for n in NAMES} for r in res)
+
+
+# ---------------------------------------------------------------------- after a backward pass here
+def _backward_steps(comm):
+    """A backward pass on the CPU and one on the GPU in the rank; the GPU gradient summed over the ranks."""
+    w = torch.full((3,), float(comm.rank + 1), requires_grad=True)
+    (w * w).sum().backward()
+    cc = _cuda_comm(comm)
+    v = torch.full((3,), float(comm.rank + 1), device=cc.device, requires_grad=True)
+    (v * v).sum().backward()
+    return float(w.grad.sum()), float(cc.allreduce(v.grad.clone()).sum().cpu())
+
+
+def test_ranks_train_after_a_backward_pass_in_the_parent():
+    """A backward pass on CUDA in this process starts autograd's device threads (and CUDA): a
+    forked rank could run neither backward nor CUDA, so ``run_local`` spawns the ranks then."""
+    from sparsync.launch import _pick_start_method
+
+    v = torch.ones(4, device="cuda", requires_grad=True)
+    (v * 2).sum().backward()
+    assert _pick_start_method(None) == "spawn"
+    res = ss.run_local(_backward_steps, 2, backend="gloo", timeout=TIMEOUT)
+    assert res == [(6.0, 18.0), (12.0, 18.0)]

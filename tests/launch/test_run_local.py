@@ -124,3 +124,48 @@ def test_comm_from_env_without_torchrun(monkeypatch):
         monkeypatch.delenv(v, raising=False)
     with pytest.raises(RuntimeError, match="not started by torchrun"):
         ss.comm_from_env()
+
+
+def _backward_on_rank(comm):
+    """A backward pass in the rank, then the gradients' sum over the ranks."""
+    w = torch.full((3,), float(comm.rank + 1), requires_grad=True)
+    (w * w).sum().backward()
+    return float(comm.allreduce(w.grad.clone()).sum())
+
+
+@pytest.mark.gloo
+def test_ranks_spawn_once_autograd_device_threads_run():
+    """After a backward pass on a machine with an accelerator, torch's autograd device threads
+    (``pt_autograd_<d>``) run in the parent and a forked rank could not run backward: the ranks are
+    spawned then, where the function pickles. A CPU-only machine never starts them, so a thread
+    given that name stands in."""
+    import ctypes
+    import threading
+
+    from sparsync import launch
+
+    stop, named = threading.Event(), threading.Event()
+
+    def autograd_like():
+        ctypes.CDLL(None).prctl(15, b"pt_autograd_7", 0, 0, 0)  # PR_SET_NAME
+        named.set()
+        stop.wait(60)
+
+    assert launch._pick_start_method(None) == ("spawn" if torch.cuda.is_initialized() or
+                                               launch.autograd_threads_started() else "fork")
+    t = threading.Thread(target=autograd_like, daemon=True)
+    t.start()
+    try:
+        assert named.wait(10)
+        assert launch.autograd_threads_started()
+        assert launch._pick_start_method(None) == "spawn"
+        assert launch._pick_start_method("fork") == "fork"  # an explicit choice is kept
+        # a local function cannot be sent to a spawned rank: forked (collectives need no backward)
+        assert launch._pick_start_method(None, (lambda comm: comm.rank, (), {}, None)) == "fork"
+        assert launch._pick_start_method(None, (_backward_on_rank, (), {}, None)) == "spawn"
+        assert ss.run_local(lambda comm: comm.allreduce(torch.ones(2)).tolist(), 2, backend="gloo",
+                            timeout=60) == [[2.0, 2.0]] * 2
+        assert ss.run_local(_backward_on_rank, 2, backend="gloo", timeout=60) == [18.0, 18.0]  # 3 * 2 * (1 + 2)
+    finally:
+        stop.set()
+        t.join(10)

@@ -19,10 +19,14 @@ def torch_set(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.topk(x.abs(), k, sorted=False).indices).values
 
 
-@pytest.fixture(params=["default", "torch", "small_tiles"])
+@pytest.fixture(params=["default", "torch", "small_tiles", "torch_topk"])
 def paths(request, monkeypatch):
     """"default": the C compaction when it builds here; "torch": the torch candidate pass;
-    "small_tiles" (torch) sends small inputs through the sampled path, several tiles per row, odd tiles."""
+    "small_tiles" (torch) sends small inputs through the sampled path, several tiles per row, odd tiles;
+    "torch_topk": every input through ``torch.topk`` and the tie check (an accelerator's path below
+    ``DEVICE_TOPK_BELOW``), here on the CPU."""
+    if request.param == "torch_topk":
+        monkeypatch.setattr(exact, "_takes_torch_topk", lambda X, k: True)
     if request.param == "small_tiles":
         monkeypatch.setattr(exact, "CHUNK", 1001)
         monkeypatch.setattr(exact, "_MIN_ROW", 16)
@@ -52,8 +56,8 @@ def test_large_heavy_tailed_vector_equals_torch_topk(paths):
     for k in (1, 1000, 10_000, 300_000):
         idx, vals = topk_select(x, k, scratch)
         assert torch.equal(idx, torch_set(x, k)) and torch.equal(vals, x[idx])
-    # the torch pass keeps its tile workspace in scratch across calls; the C pass needs none
-    assert ("exact_topk_abs" in scratch) == (not native.enabled())
+    # the torch pass keeps its tile workspace in scratch across calls; the C pass and torch.topk need none
+    assert ("exact_topk_abs" in scratch) == (not native.enabled() and paths != "torch_topk")
 
 
 @pytest.mark.parametrize("values", [[0.0], [1.0, -1.0], [0.0, 1.0, -2.0, 2.0, 3.0]])
@@ -180,6 +184,30 @@ def test_dtypes_and_noncontiguous_rows():
         assert torch.equal(topk_indices(x, 600), oracle(x, 600)), dtype
     X = torch.randn(50_000, 4, generator=g).t()  # rows not contiguous
     assert torch.equal(topk_rows(X, 500), torch.stack([oracle(X[i], 500) for i in range(4)]))
+
+
+def test_torch_topk_path_dtypes_and_tie_fallback(monkeypatch):
+    """:func:`torch_topk_rows` directly: low-precision dtypes with many ties, rows where only some
+    tie at the k-th magnitude (those rows alone take the exact path) and a NaN row."""
+    g = torch.Generator().manual_seed(6)
+    for dtype in (torch.float64, torch.float16, torch.bfloat16):
+        x = (torch.randn(1, 60_000, generator=g) * 4).round().to(dtype)
+        assert torch.equal(exact.torch_topk_rows(x, 600)[0], oracle(x[0], 600)), dtype
+    X = torch.randn(5, 3000, generator=g)
+    X[1, ::2] = 9.0  # 1500 ties above everything else: k = 30 cuts inside them
+    X[3, 7] = float("nan")
+    got = exact.torch_topk_rows(X, 30)
+    assert torch.equal(got, torch.stack([oracle(X[i], 30) for i in range(5)]))
+    assert got[1].tolist() == list(range(0, 60, 2))
+    called, real = [], exact._exact_rows
+    monkeypatch.setattr(exact, "_exact_rows", lambda A, k: called.append(A.shape[0]) or real(A, k))
+    exact.torch_topk_rows(X, 30)
+    assert called == [2]  # only the tied row and the NaN row
+    for row in (1, 3):  # one row: ties at the k-th magnitude without NaN are finished among |x| >= it
+        got = exact.torch_topk_rows(X[row:row + 1], 30)[0]
+        assert torch.equal(got, oracle(X[row], 30))
+    assert called == [2, 1]  # the NaN row alone took the exact path
+    assert not exact._takes_torch_topk(X, 30)  # the CPU keeps its own paths
 
 
 def test_bad_input_is_named():

@@ -135,7 +135,7 @@ class DiLoCo:
         if not (0 <= float(outer_momentum) < 1):
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         reducer_options = default_reducer_options(reducer, reducer_options)
-        self.comm = comm = _as_comm(comm)
+        self.comm = comm = _as_comm(comm, module)
         self.module = module
         self.inner_optimizer = inner_optimizer
         self.sync_every = int(sync_every)

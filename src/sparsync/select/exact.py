@@ -29,8 +29,10 @@ The only full-size work is step 2 (one read of ``x``; no ``|x|`` copy, no mask o
 Rows whose sample was unlucky (fewer than ``k`` candidates; also all-zero or mostly-NaN rows) are
 finished by the exact path - the k-th magnitude of the whole row, then step 3 - so the result is
 exact whatever the data; only the speed depends on the sample. Small rows (``bs < 32768``) and
-high densities (``k > bs / 8``) take that exact path directly. ``sparsync bench-select --parts
-exact`` times it against ``torch.topk``, with the C pass and with the torch pass.
+high densities (``k > bs / 8``) take that exact path directly. On an accelerator (CUDA) small
+matrices take ``torch.topk`` instead, with a check that enforces the tie rule
+(:func:`torch_topk_rows`; ``DEVICE_TOPK_BELOW``). ``sparsync bench-select --parts exact`` times it
+against ``torch.topk``, with the C pass and with the torch pass.
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ from .. import native
 #: shared last-level cache together)
 CHUNK = 1 << 18
 
-__all__ = ["scratch_buffer", "topk_indices", "topk_rows", "topk_select"]
+__all__ = ["DEVICE_TOPK_BELOW", "sampled_rows", "scratch_buffer", "topk_indices", "topk_rows", "topk_select",
+           "torch_topk_rows"]
 
 #: Cap on step 1's sample (the balance ``4 (k bs)^(1/3)`` in ``_sample_threshold`` reaches it only for
 #: ``k bs > 4.4e12``, e.g. ``bs = 2e7`` at 1 %): each strided sample element is a cache miss (64 K of
@@ -74,6 +77,13 @@ _MIN_ROW = 1 << 15
 _WORD = 8  # bytes of the int64 word the flags are scanned in (``nonzero`` over words, then inside)
 _MAX_FRACTION = 8  # k > bs / 8: the exact path directly (candidates would be most of the row)
 _SHRINK = (torch.float32, torch.float64)  # dtypes of the fused hardshrink tile (8 // itemsize per word)
+#: On an accelerator, matrices of fewer elements than this take :func:`torch_topk_rows` (torch's
+#: radix select, then the tie check): there every operation's launch costs about as much as its
+#: work, and the sampled path has about three times as many operations as torch's select, while
+#: above it torch's select makes several passes over memory and the sampled path one. The two
+#: crossed between 1e7 and 3e7 elements on an H200 (``docs/benchmarks.md``, "On a GPU"); rows too
+#: short to sample, or ``k > bs / 8``, take torch's select at any size there.
+DEVICE_TOPK_BELOW = 1 << 24
 
 
 def _check_k(k, bs: int) -> int:
@@ -132,8 +142,18 @@ def topk_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Ten
     if k == bs:
         return torch.arange(bs, device=dev).expand(m, bs).clone()
     X = X.contiguous()
+    if _takes_torch_topk(X, k):
+        return torch_topk_rows(X, k)
     if bs < _MIN_ROW or k * _MAX_FRACTION > bs:
         return _exact_rows(X, k)
+    return sampled_rows(X, k, scratch)
+
+
+def sampled_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Tensor:
+    """:func:`topk_rows` by steps 1-3 (sample, compaction, select among the candidates) for a
+    contiguous ``[m, bs]`` floating-point ``X`` and ``1 <= k < bs``."""
+    m, bs = X.shape
+    dev = X.device
     t = _sample_threshold(X, k)
     flat, cand_abs = _candidates(X, t, scratch)
     if m == 1:
@@ -153,6 +173,52 @@ def topk_rows(X: torch.Tensor, k: int, scratch: dict | None = None) -> torch.Ten
         remap = torch.cumsum(ok.long(), 0) - 1  # row -> its position among the good rows
         sub = _finish(flat[sel], cand_abs[sel], remap[grows], counts[good], good.numel(), k)
         out[good] = sub.view(-1, k) - good[:, None] * bs
+    return out
+
+
+def _takes_torch_topk(X: torch.Tensor, k: int) -> bool:
+    """Whether :func:`topk_rows` runs :func:`torch_topk_rows` (accelerators only; see ``DEVICE_TOPK_BELOW``)."""
+    if X.device.type == "cpu":
+        return False
+    bs = X.shape[1]
+    return X.numel() < DEVICE_TOPK_BELOW or bs < _MIN_ROW or k * _MAX_FRACTION > bs
+
+
+def torch_topk_rows(X: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_rows` through ``torch.topk`` for a contiguous ``[m, bs]`` floating-point ``X`` and
+    ``1 <= k < bs``, with the documented tie rule.
+
+    ``torch.topk`` returns the ``k`` largest magnitudes, but among equal ones it picks any index (on
+    CUDA, not the lowest), and it ranks NaN above every number. Its ``k``-th value ``v`` (the
+    smallest it returned) decides: where exactly ``k`` entries of the row have ``|x| >= v``, no entry
+    outside ties with ``v`` and no NaN was taken (``|x| >= NaN`` is false), so its indices, sorted,
+    are the answer. A single row with more (ties at ``v``: likely in fp32 once ``bs`` is ~1e7, the
+    values near the cut being that dense) takes every index with ``|x| >= v`` (one compare and
+    compaction) and step 3 among them (:func:`_finish1`); rows of a matrix with ties, and rows with
+    NaN, take the exact path (:func:`_exact_rows`).
+
+    Few operations, each launched before the one host synchronisation (the count): on a GPU at
+    these sizes every operation's launch costs about as much as its work.
+    """
+    m, bs = X.shape
+    a = X.abs()
+    vals, idx = torch.topk(a, k, dim=1, sorted=False)
+    out = idx.sort(dim=1).values  # queued before the check: the GPU sorts while the host waits below
+    v = vals.amin(dim=1, keepdim=True)  # the k-th magnitude (NaN if torch.topk took a NaN)
+    count = (a >= v).sum(1)
+    if m == 1:
+        c = int(count)
+        if c == k:
+            return out
+        if c > k:  # ties at v: every entry >= v, then the lowest indices among those equal to v
+            flat = torch.nonzero(a[0] >= v[0]).squeeze(1)
+            return _finish1(flat, a[0].index_select(0, flat), k).view(1, k)
+        return _exact_rows(X, k)  # NaN taken: fewer than k entries >= NaN
+    bad = count != k
+    if not bool(bad.any()):
+        return out
+    rows = bad.nonzero().flatten()
+    out[rows] = _exact_rows(X[rows], k)
     return out
 
 
