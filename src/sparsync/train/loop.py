@@ -43,9 +43,10 @@ from torch import nn
 from ..launch import progress
 from .optim import make_optimizer, set_lr
 from .runs import RunDir, TrainConfig, load_checkpoint, save_checkpoint
-from .summary import _reached, summarize, target_of
+from .summary import _auto_summary, _reached, summarize, target_of  # noqa: F401
 from .validation import (NOCOMM, TORCH_DDP, NetworkUnavailable, check_network, policy_options, valid_reducers,
                          validate)
+from .validation import _check_rate_schedule, _validate_optimizer  # noqa: F401
 from .workloads import make_workload
 
 # validation and summary live in their own modules; their names stay importable from here

@@ -47,8 +47,11 @@ import json
 from pathlib import Path
 
 from ..tables import format_table as _format_table
-from .plots import LOG_SPAN, _plot_curves, _plot_step_breakdown_and_per_step, _plot_time_to_target  # noqa: F401
-from .rows import _key, _round, aggregate, floors, ratio_to, short_label, short_labels  # noqa: F401
+from .plots import (_MARKERS, _STYLES, LOG_SPAN, _band, _draw_rows, _finish_time_plot,  # noqa: F401
+                    _finite, _legend_outside, _median_curve, _plot_curves, _plot_step_breakdown_and_per_step,
+                    _plot_time_to_target, _style)
+from .rows import (_TAGS, _TORCH_SHORT, _is_baseline, _iv, _key, _max_rank, _round, aggregate,  # noqa: F401
+                   floors, ratio_to, short_label, short_labels)
 
 # the rows (labels, numbers) and the plots live in their own modules; their names stay importable from here
 __all__ = ["aggregate", "floors", "format_table", "ratio_to", "short_label", "short_labels", "table_rows",
