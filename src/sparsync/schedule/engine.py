@@ -39,9 +39,9 @@ Delayed averaging (``delay=1``): nothing is submitted during backward; at its en
 the previous step's result is applied and this step's reduces are queued, to run while the caller
 computes the next step (:meth:`OverlapEngine._finish_delayed`). Each step's communication is one
 :class:`~.stepcomm.StepComm` (outputs, guard inputs, error, completion event, accounting), which
-with a delay outlives its step and is part of the state. The module stays one class of under 500
-lines: the step's life cycle (hooks, submission, finish, delayed finish, write-back, state) is one
-state machine around one lock; every stage it drives lives in the modules above.
+with a delay outlives its step and is part of the state. One module because it is one class with one
+job: the step's life cycle (hooks, submission, finish, delayed finish, write-back, state) is one
+state machine around one lock, and every stage it drives lives in the modules above.
 """
 
 from __future__ import annotations

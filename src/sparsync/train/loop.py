@@ -1,7 +1,8 @@
 """The training loop every rank runs, and the launcher that starts the ranks.
 
-``launch(cfg)`` validates the configuration (workload, reducer, network), prepares the run
-directory (:mod:`sparsync.train.runs`), then starts ``cfg.workers`` ranks:
+``launch(cfg)`` validates the configuration (workload, reducer, network:
+:mod:`sparsync.train.validation`), prepares the run directory (:mod:`sparsync.train.runs`), then
+starts ``cfg.workers`` ranks:
 
 * ``network="loopback"``: forked gloo processes on this machine (``run_local(..., backend="gloo")``);
 * ``network="1gbit"`` (any ``tc`` rate such as ``100mbit``): one network namespace per rank with a
@@ -22,7 +23,7 @@ select / comm / wait / backward-compute), bytes sent and received, achieved dens
 wall-clock, and the ranks meet at an untimed barrier after it, so the next step starts as after any
 other step). Time and steps to target are interpolated between the evaluations on either side of
 the crossing (:func:`sparsync.train.stats.crossing`; the target is on accuracy, or on the metric a
-configuration's ``target_metric`` names).
+configuration's ``target_metric`` names); the run's final numbers are :func:`sparsync.train.summary.summarize`.
 
 Resume: every rank saves model, optimizer, engine (reducer residuals etc.) and the loop's counters;
 since data depend only on (seed, step), a resumed run reproduces the uninterrupted one's losses
@@ -32,7 +33,6 @@ bitwise (tested in ``tests/train/test_train_resume.py``).
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from pathlib import Path
@@ -41,121 +41,24 @@ import torch
 from torch import nn
 
 from ..launch import progress
-from .optim import OPTIMIZERS, SCHEDULES, make_optimizer, set_lr
+from .optim import make_optimizer, set_lr
 from .runs import RunDir, TrainConfig, load_checkpoint, save_checkpoint
-from .workloads import make_workload, workload_names
+from .summary import _auto_summary, _reached, summarize, target_of  # noqa: F401
+from .validation import (NOCOMM, TORCH_DDP, NetworkUnavailable, check_network, policy_options, valid_reducers,
+                         validate)
+from .validation import _check_rate_schedule, _validate_optimizer  # noqa: F401
+from .workloads import make_workload
 
-__all__ = ["TORCH_DDP", "NetworkUnavailable", "launch", "train_worker", "valid_reducers", "validate"]
+# validation and summary live in their own modules; their names stay importable from here
+__all__ = ["NOCOMM", "TORCH_DDP", "NetworkUnavailable", "check_network", "launch", "policy_options", "summarize",
+           "target_of", "train_worker", "valid_reducers", "validate"]
 
 #: the engine's step breakdown (``last_stats``, :mod:`sparsync.schedule.stepstats`) kept per step
 _BREAKDOWN_KEYS = ("writeback_s", "copy_s", "check_s", "policy_s", "reducer_other_s", "cpu_wait_s",
                    "wait_copy_s", "wait_check_s", "wait_policy_s", "wait_select_s", "wait_comm_s",
                    "wait_reducer_other_s", "wait_idle_s")
 
-#: torch's own DDP: plain, fp16 compression hook, PowerSGD hook of rank 1 and 4 (torch's PowerSGDState)
-TORCH_DDP = ("ddp", "ddp-fp16", "ddp-powersgd1", "ddp-powersgd4")
-#: the no-communication floor: same model and data, gradients never exchanged (ranks drift apart;
-#: its accuracy is rank 0's local model). Every other step time is divided by its step time.
-NOCOMM = "nocomm"
 _INIT_LOCK = threading.Lock()
-
-
-class NetworkUnavailable(RuntimeError):
-    """The emulated network cannot be used here (not root, or sparsync.cluster missing)."""
-
-
-def valid_reducers() -> list[str]:
-    from ..reducers.registry import load_all
-
-    return sorted(load_all()) + list(TORCH_DDP) + [NOCOMM]
-
-
-def validate(cfg: TrainConfig):
-    """Check names and numbers before any process starts; returns the built workload."""
-    if cfg.workload not in workload_names():
-        raise ValueError(f"unknown workload {cfg.workload!r}; valid: {', '.join(workload_names())}")
-    from ..localsteps import trainer as local
-
-    reducers = valid_reducers()
-    if cfg.reducer not in reducers and not local.is_local(cfg):
-        raise ValueError(f"unknown reducer {cfg.reducer!r}; valid: {', '.join(reducers)}")
-    if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-    if not isinstance(cfg.workers, int) or cfg.workers < 1:
-        raise ValueError(f"--workers must be a positive integer, got {cfg.workers!r}")
-    if not (0 < float(cfg.density) <= 1):
-        raise ValueError(f"--density must be in (0, 1], got {cfg.density}")
-    if cfg.is_torch_ddp and cfg.network == "thread":
-        raise ValueError("torch DDP baselines need real processes; use --loopback or --bandwidth")
-    if cfg.convergence:
-        from ..convergence import policy_from_options
-
-        if cfg.is_torch_ddp or cfg.reducer == NOCOMM:
-            raise ValueError(f"convergence options ({', '.join(sorted(cfg.convergence))}) apply to SparseDDP "
-                             f"reducers, not to {cfg.reducer!r}")
-        pol = policy_from_options(cfg.convergence)
-        if pol.momentum and cfg.optimizer in ("adam", "adamw"):
-            raise ValueError("momentum correction replaces SGD's momentum (the optimizer becomes plain SGD); "
-                             f"it does not apply to --optimizer {cfg.optimizer}")
-    local.check(cfg)
-    wl = make_workload(cfg.workload, **cfg.workload_options)
-    cfg.fill_defaults(wl)
-    _validate_optimizer(cfg)
-    if cfg.rate_schedule:
-        _check_rate_schedule(cfg)
-    if cfg.convergence:  # what the run will use, as its label and config.json say
-        cfg.convergence = policy_options(cfg)
-    if cfg.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {cfg.steps}")
-    if not isinstance(cfg.batch_size, int) or cfg.batch_size < 1:
-        raise ValueError(f"--batch-size must be a positive integer, got {cfg.batch_size!r}")
-    if not isinstance(cfg.keep_checkpoints, int) or cfg.keep_checkpoints < 0:
-        raise ValueError(f"--keep-checkpoints must be >= 0 (0 keeps all), got {cfg.keep_checkpoints!r}")
-    return wl
-
-
-def _validate_optimizer(cfg: TrainConfig) -> None:
-    """The optimizer's numbers after defaults (sparsync.train.optim), one line each."""
-    if cfg.lr_schedule not in SCHEDULES:
-        raise ValueError(f"unknown learning-rate schedule {cfg.lr_schedule!r}; valid: {', '.join(SCHEDULES)}")
-    if not (isinstance(cfg.weight_decay, (int, float)) and 0 <= cfg.weight_decay < float("inf")):
-        raise ValueError(f"--weight-decay must be a non-negative number, got {cfg.weight_decay!r}")
-    for k in ("lr_warmup", "adam_freeze"):
-        v = getattr(cfg, k)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"--{k.replace('_', '-')} must be a non-negative integer, got {v!r}")
-    if cfg.adam_freeze and cfg.optimizer != "adamw":
-        raise ValueError(f"--adam-freeze applies to --optimizer adamw, not {cfg.optimizer!r}")
-
-
-def _check_rate_schedule(cfg: TrainConfig) -> None:
-    from ..cluster import parse_rate_schedule
-
-    sched = parse_rate_schedule(cfg.rate_schedule)
-    if cfg.network in ("loopback", "thread", "torchrun", "none"):
-        raise ValueError(f"--rate-schedule changes the emulated network's rates; the network here is {cfg.network!r} "
-                         "(use --bandwidth RATE or --topology SxR --intra RATE --inter RATE)")
-    late = [k for k in sched if k >= cfg.steps]
-    if late:
-        raise ValueError(f"--rate-schedule: step {min(late)} is not before the run's last step ({cfg.steps} steps)")
-
-
-def check_network(network: str) -> None:
-    """Raise NetworkUnavailable with instructions when the emulated network cannot run here."""
-    if network in ("loopback", "thread"):
-        return
-    if os.geteuid() != 0:
-        raise NetworkUnavailable(
-            f"--bandwidth {network} emulates the network with Linux network namespaces and tc, which needs "
-            "root. Run it as root (e.g. `sudo .venv/bin/sparsync train ... --bandwidth "
-            f"{network}`), or use --loopback to run the workers over this machine's loopback "
-            "interface (fast, so sparse methods show little gain), or torchrun on a real cluster "
-            "(see docs/train.md).")
-    try:
-        from .. import cluster  # noqa: F401
-    except ImportError as e:
-        raise NetworkUnavailable(f"--bandwidth needs sparsync.cluster, which is not available ({e}); "
-                                 "use --loopback") from None
 
 
 def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload=None) -> dict:
@@ -198,15 +101,6 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
 
 
 # ---------------------------------------------------------------------------- one rank
-def policy_options(cfg: TrainConfig) -> dict:
-    """The run's GradientPolicy options: momentum correction takes the optimizer's kind of momentum,
-    so with ``--optimizer nesterov`` it is Nesterov's unless ``nesterov`` is given explicitly."""
-    opts = dict(cfg.convergence)
-    if opts.get("momentum") and cfg.optimizer == "nesterov":
-        opts.setdefault("nesterov", True)
-    return opts
-
-
 def _wrap(cfg: TrainConfig, model: nn.Module, comm):
     """(callable model, engine or None). Engine = SparseDDP or torch DDP; None for the floor and for
     local steps (:func:`sparsync.localsteps.trainer.wrap` builds theirs with the optimizer)."""
@@ -411,26 +305,6 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     return summary
 
 
-def target_of(cfg: TrainConfig) -> tuple[str, float, bool]:
-    """``(metric, target, higher is better)`` of a run: held-out accuracy against
-    ``target_accuracy`` unless the configuration names another metric (``target_metric``, with its
-    value in ``target_value``; e.g. a held-out loss, reached going down)."""
-    from .stats import HIGHER_IS_BETTER
-
-    metric = getattr(cfg, "target_metric", None) or ("loss" if cfg.target_loss is not None else "accuracy")
-    value = getattr(cfg, "target_value", None)
-    if value is None and metric == "loss":
-        value = cfg.target_loss
-    target = float(value if value is not None and metric != "accuracy" else cfg.target_accuracy)
-    return metric, target, HIGHER_IS_BETTER.get(metric, True)
-
-
-def _reached(cfg: TrainConfig, ev: dict) -> bool:
-    metric, target, higher = target_of(cfg)
-    v = ev.get(metric)
-    return v is not None and (v >= target if higher else v <= target)
-
-
 def _resume(resume_info, cfg, rank, model, opt, ddp):
     """``(start step, train time, evals, time to target)``: zeros for a new run, else the
     checkpoint's loop state after loading model, optimizer and SparseDDP state from it."""
@@ -499,61 +373,3 @@ def _close(ddp) -> None:
     close = getattr(ddp, "close", None)
     if callable(close):
         close()
-
-
-def summarize(cfg: TrainConfig, rows: list[dict], evals: list[dict], time_to_target, train_time, numel,
-              n_heldout: int | None = None) -> dict:
-    """Final numbers of a run (summary.json). Time and steps to target are interpolated between
-    the evaluations on either side of the crossing (:func:`sparsync.train.stats.crossing`);
-    ``time_to_target_eval_s`` is the first evaluation's own time."""
-    import statistics as stt
-
-    from .stats import crossing
-
-    steady = rows[min(len(rows) - 1, 3):] if rows else []  # drop warm-up steps from the averages
-
-    def med(key):
-        vals = [r[key] for r in steady if r.get(key) is not None]
-        return stt.median(vals) if vals else None
-
-    def mean(key):
-        vals = [r[key] for r in steady if r.get(key) is not None]
-        return stt.mean(vals) if vals else None
-
-    final = evals[-1] if evals else {}
-    metric, target, higher = target_of(cfg)
-    cross = crossing(evals, target, metric, higher)
-    if cross is None and time_to_target is not None:  # evaluations of a resumed run's old checkpoint
-        cross = {"time_s": time_to_target, "steps": None, "eval_time_s": time_to_target, "eval_steps": None}
-    return {
-        "name": cfg.name, "label": cfg.label(), "workload": cfg.workload,
-        # a DiLoCo row is not the per-step reducer's row (tables find dense SparseDDP by "dense")
-        "reducer": f"diloco-{cfg.reducer}" if cfg.local_steps.get("sync_every") else cfg.reducer,
-        "density": None if cfg.reducer in ("dense", "auto", NOCOMM) or cfg.is_torch_ddp else cfg.density,
-        "merge": cfg.merge,
-        "convergence": dict(cfg.convergence), "local_steps": dict(cfg.local_steps),
-        "workers": cfg.workers, "network": cfg.network, "steps": cfg.steps, "numel": numel,
-        "final_accuracy": final.get("accuracy"), "final_test_loss": final.get("loss"),
-        "best_accuracy": max((e["accuracy"] for e in evals), default=None),
-        "target_accuracy": cfg.target_accuracy, "target_loss": cfg.target_loss, "target_metric": metric,
-        "target_value": target, "final_perplexity": final.get("perplexity"),
-        "time_to_target_s": cross and cross["time_s"], "steps_to_target": cross and cross["steps"],
-        "time_to_target_eval_s": cross and cross["eval_time_s"], "eval_every": cfg.eval_every,
-        "n_heldout": n_heldout, "seed": cfg.seed,
-        "train_time_s": train_time,
-        "median_step_s": med("step_s"), "median_compute_s": med("compute_s"), "median_select_s": med("select_s"),
-        "median_comm_s": med("comm_s"), "median_wait_s": med("wait_s"),
-        "mean_step_s": mean("step_s"), "mean_select_s": mean("select_s"),
-        "median_bytes_sent": med("bytes_sent"), "mean_bytes_sent": mean("bytes_sent"), "median_density": med("density"),
-        "final_train_loss": stt.mean([r["loss"] for r in rows[-10:]]) if rows else None,
-        "evals": evals,
-        **_auto_summary(rows),
-    }
-
-
-def _auto_summary(rows: list[dict]) -> dict:
-    """reducer="auto": every decision of the run (step, group, reason, chosen) and the last choice."""
-    decisions = [{"step": r["step"], "group": d.get("group"), "reason": d.get("reason"), "chosen": d.get("chosen"),
-                  "switched": d.get("switched")} for r in rows for d in r.get("auto_decisions") or []]
-    last = next((r["auto_choice"] for r in reversed(rows) if r.get("auto_choice")), None)
-    return {"auto_decisions": decisions, "auto_final_choice": last} if (decisions or last) else {}

@@ -1,0 +1,92 @@
+"""The configurations the ``auto`` reducer (:mod:`sparsync.reducers.auto`) chooses among: a
+:class:`Candidate` is one registered reducer at one density with one value precision (``outer`` for
+``hier``); :func:`parse_candidate` reads its spelling (``"dense:fp16"``, ``"micro:0.02"``,
+``"hier:micro:0.01"``) and rejects, in one line, what the registry cannot build."""
+
+from __future__ import annotations
+
+from ..reducers.base import VALUE_DTYPES
+from ..reducers.registry import REDUCERS
+
+__all__ = ["Candidate", "parse_candidate", "listed", "conserving"]
+
+
+class Candidate:
+    """One configuration auto can run: ``reducer`` at ``density`` with ``value_dtype`` values;
+    ``outer`` for ``hier`` (the reducer between sites)."""
+
+    __slots__ = ("reducer", "density", "value_dtype", "outer")
+
+    def __init__(self, reducer: str, density: float = 1.0, value_dtype: str = "fp32", outer: str | None = None):
+        self.reducer, self.density, self.value_dtype, self.outer = reducer, float(density), value_dtype, outer
+
+    @property
+    def sparse(self) -> bool:
+        return self.reducer != "dense"
+
+    @property
+    def spec(self) -> str:
+        """The spelling :func:`parse_candidate` reads (also the label in stats and reports)."""
+        parts = [self.reducer] + ([self.outer] if self.outer else [])
+        if self.sparse:
+            parts.append(f"{self.density:g}")
+        if self.value_dtype != "fp32":
+            parts.append(self.value_dtype)
+        return ":".join(parts)
+
+    def __repr__(self) -> str:
+        return f"Candidate({self.spec})"
+
+
+def parse_candidate(spec: str, density: float = 0.01) -> Candidate:
+    """``"dense"``, ``"dense:fp16"``, ``"micro:0.01"``, ``"micro:0.02:fp16"``, ``"hier:micro:0.01"``;
+    ValueError (one line) for anything else."""
+    parts = [p.strip() for p in str(spec).split(":") if p.strip()]
+    if not parts:
+        raise ValueError(f"auto: empty candidate {spec!r}")
+    name, rest, outer = parts[0], parts[1:], None
+    if name in ("auto",):
+        raise ValueError("auto: a candidate cannot be 'auto' itself")
+    known = REDUCERS.load_all()
+    if name not in known:
+        raise ValueError(f"auto: candidate {spec!r}: unknown reducer {name!r}; valid: {', '.join(sorted(known))}")
+    if name == "hier":
+        if not rest or rest[0] in VALUE_DTYPES or _is_number(rest[0]):
+            raise ValueError(f"auto: candidate {spec!r}: hier needs its outer reducer, e.g. 'hier:micro:0.01'")
+        outer, rest = rest[0], rest[1:]
+        if outer not in REDUCERS.load_all() or outer in ("hier", "auto"):
+            raise ValueError(f"auto: candidate {spec!r}: {outer!r} cannot be hier's outer reducer")
+    d, vd = (1.0 if name == "dense" else density), "fp32"
+    for p in rest:
+        if p in VALUE_DTYPES:
+            vd = p
+        elif _is_number(p) and 0 < float(p) <= 1:
+            d = float(p)
+        else:
+            raise ValueError(f"auto: candidate {spec!r}: {p!r} is neither a density in (0, 1] nor one of "
+                             f"{', '.join(VALUE_DTYPES)}")
+    cls = REDUCERS.lookup(outer or name)
+    if VALUE_DTYPES[vd] is not None and not cls.supports_value_dtype:
+        raise ValueError(f"auto: candidate {spec!r}: reducer {outer or name!r} cannot send {vd} values")
+    return Candidate(name, d, vd, outer)
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def listed(v):
+    """A list option given as one string (``"a/b"``, ``"a,b"``, ``"a;b"``) or a single value, as a list."""
+    if isinstance(v, str):
+        return [p.strip() for p in v.replace(";", ",").replace("/", ",").split(",") if p.strip()]
+    return list(v) if isinstance(v, (list, tuple)) else [v]
+
+
+
+def conserving(c: Candidate) -> bool:
+    cls = REDUCERS.lookup(c.outer or c.reducer)
+    return bool(cls.conserving) and (VALUE_DTYPES[c.value_dtype] is None or cls.value_dtype_conserving)

@@ -1,0 +1,107 @@
+"""The decision of the ``auto`` reducer (:mod:`sparsync.reducers.auto`): every ``check_every`` calls
+the ranks share their window of measurements (one all-gather of control data: maximum of the times,
+mean of the kept mass, so every rank holds the same inputs); on a deviation from the prediction or
+every ``decide_every`` calls the link is probed again and every candidate scored
+``penalty(kept) * (gap + t)``, with hysteresis ``margin``. The decision record (reason, predicted
+and scored milliseconds per candidate, penalties, kept mass, link) goes to ``stats["auto"]``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from .kept import penalty_factor
+
+__all__ = ["Decisions"]
+
+_EPS_S = 5e-3  # slack in the deviation test: tiny wires do not trigger re-decisions on noise
+
+
+class Decisions:
+    """The decision part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it uses the link
+    model, the kept mass and the reducer's ``_switch``)."""
+
+    # ------------------------------------------------------------------ (b) measurements
+    def _gather(self, maxed: list[float], meaned: list[float]) -> tuple[list[float], list[float]]:
+        """(maximum over ranks of ``maxed``, mean over ranks of ``meaned``), the same on every rank:
+        one all-gather of control data, combined in rank order."""
+        mine = torch.tensor(list(maxed) + list(meaned), dtype=torch.float64, device=self.comm.device)
+        if self.comm.world_size == 1 or mine.numel() == 0:
+            return list(maxed), list(meaned)
+        rows = torch.stack([t.reshape(-1).cpu() for t in self.comm.allgather_control(mine)])
+        k = len(maxed)
+        hi = rows[:, :k].max(0).values.tolist() if k else []
+        mean = (rows[:, k:].sum(0) / rows.shape[0]).tolist() if len(meaned) else []
+        return hi, mean
+
+    def _check(self, grad: torch.Tensor) -> dict | None:
+        """Every ``check_every`` calls: share the window, refit the link, maybe decide again."""
+        rows = self.window
+        gaps = [r[2] for r in rows if r[2] >= 0] or [0.0]
+        mine = [statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows),
+                statistics.median(gaps)]
+        if self.timings is not None:
+            ev = self.timings(self, {"event": "window", "wire_s": mine[0], "total_s": mine[1], "gap_s": mine[2]})
+            mine = [ev["wire_s"], ev["total_s"], ev["gap_s"]]
+        keys = sorted(self._last_cost)  # the active candidate's last ledger (bytes differ by rank: the largest)
+        hi, kept = self._gather(mine + [float(self._last_cost[k]) for k in keys], self._kept_local(grad))
+        (wire, total, gap), self._last_cost = hi[:3], dict(zip(keys, hi[3:]))
+        self.window = []
+        n = grad.numel()
+        cand = self.candidates[self.active]
+        pred = self._predict(cand, n)
+        ratio = (total + _EPS_S) / (pred + _EPS_S)
+        self.measured.pop(cand.spec, None)  # the model's view for the refit below
+        deviated = ratio > self.deviation or ratio < 1 / self.deviation
+        periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
+        level = "inter" if cand.reducer == "hier" else "flat"
+        beta_before = self.link.get(level, self.link["flat"])[1]
+        probed = (deviated or periodic) and self.probe and not self.declared
+        if probed:  # measure the link again: a changed link shows here, CPU contention does not
+            self._probe(n)
+        self._refit(cand, wire, total, n, from_call=not probed)
+        moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
+        if (probed and (moved > 2 or moved < 0.5)) or (periodic and not deviated):
+            self.measured.clear()  # times measured on the old link (or long ago) no longer hold
+        self.measured[cand.spec] = total
+        if deviated:
+            why = (f"link changed (bandwidth x{1 / moved:.2f})" if moved > 2 or moved < 0.5
+                   else "CPU time changed (the link did not)")
+            return self._decide(n, gap, kept, f"measured {1e3 * total:.1f} ms per call vs predicted "
+                                              f"{1e3 * pred:.1f} ms (x{ratio:.2f}): {why}")
+        if periodic:
+            return self._decide(n, gap, kept, "periodic" if len(self.decisions) > 1 else "first measurements")
+        self._set_kept(kept)
+        return None
+
+    def _decide(self, n: int, gap: float, kept: list[float], reason: str) -> dict:
+        """Score every candidate (same inputs on every rank: the same result), switch if needed."""
+        self._set_kept(kept)
+        pred, score, pen = {}, {}, {}
+        for c in self.candidates:
+            t = self._predict(c, n)
+            km = self._kept_at(c.density) if c.sparse else 1.0
+            pen[c.spec] = penalty_factor(km, self.penalty) if c.sparse else 1.0
+            pred[c.spec] = 1e3 * t
+            score[c.spec] = 1e3 * pen[c.spec] * (gap + t)
+        order = sorted(range(len(self.candidates)), key=lambda i: (score[self.candidates[i].spec], i))
+        best = order[0]
+        if self.active is not None:
+            cur = score[self.candidates[self.active].spec]
+            if cur <= score[self.candidates[best].spec] * (1 + self.margin):
+                best = self.active
+        switched = best != self.active
+        if switched:
+            self._switch(best)
+        d = {"step": self.step, "reason": reason, "chosen": self.choice, "switched": switched,
+             "predicted_ms": {k: round(v, 3) for k, v in pred.items()},
+             "score_ms": {k: round(v, 3) for k, v in score.items()},
+             "penalty": {k: round(v, 4) for k, v in pen.items()},
+             "kept": {f"{d:g}": round(v, 4) for d, v in self.kept.items()}, "gap_ms": round(1e3 * gap, 3),
+             "link": {k: [float(a), float(b)] for k, (a, b) in self.link.items()}}
+        self.last_decision = d
+        self.decisions.append({k: d[k] for k in ("step", "reason", "chosen", "switched")})
+        self.since_decision = 0
+        return d

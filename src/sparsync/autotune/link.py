@@ -1,0 +1,136 @@
+"""The link and time model of the ``auto`` reducer (:mod:`sparsync.reducers.auto`): a probe fits
+latency ``alpha`` and inverse bandwidth ``beta`` per level to timed ring all-reduces of two sizes
+(``t = alpha * rounds + beta * bytes``, Hockney's model), a measured call refits them and the
+reducer's CPU overhead per element, and a candidate's predicted time per call is its registered
+``predicted_cost`` priced on that link plus its overhead.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..reducers.base import VALUE_DTYPES
+from ..reducers.registry import REDUCERS
+from .candidates import Candidate
+
+__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "LEVELS", "LinkModel", "mid"]
+
+#: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
+#: copies; a 2-core machine with 4 ranks); a measured value replaces them
+CPU_PRIOR_S = {"dense": 1e-9, "micro": 5e-9, "hier": 6e-9}
+CPU_PRIOR_OTHER = 8e-9
+LEVELS = ("flat", "intra", "inter")
+
+
+class LinkModel:
+    """The link part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads and writes the
+    reducer's ``link`` and ``cpu``, reads ``comm``, ``layout``, ``measured``, ``candidate_options``,
+    ``probe_repeats``, ``timings`` and ``_last_cost``, and gathers with ``_gather``)."""
+
+    # ------------------------------------------------------------------ (a) probe
+    def _probe(self, n: int) -> float:
+        """Fit alpha, beta per level from timed ring all-reduces of two sizes (maximum over ranks)."""
+        t0 = time.perf_counter()
+        P = self.comm.world_size
+        levels = [("flat", self.comm)]
+        if self.layout is not None and len(self.layout) > 1 and len(self.layout[0]) > 1:
+            s = len(self.layout[0])
+            levels.append(("intra", self.comm.split(self.layout)))
+            levels.append(("inter", self.comm.split([[site[j] for site in self.layout] for j in range(s)])))
+        small, large = 256, max(4096, min(n, 1 << 18))
+        mine = []
+        for level, c in levels:
+            for size in (small, large):
+                buf = torch.ones(size, device=self.comm.device)
+                best = math.inf
+                for _ in range(self.probe_repeats):
+                    self.comm.barrier()
+                    a = time.perf_counter()
+                    with c.unrecorded():
+                        c.allreduce(buf, out=buf)
+                    best = min(best, time.perf_counter() - a)
+                if self.timings is not None:
+                    ev = {"event": "probe", "level": level, "numel": size, "time_s": best}
+                    best = self.timings(self, ev)["time_s"]
+                mine.append(best)
+        worst = self._gather(mine, [])[0]
+        for i, (level, c) in enumerate(levels):
+            p = c.world_size
+            t_s, t_l = worst[2 * i], worst[2 * i + 1]
+            rounds = max(1, 2 * (p - 1))
+            b_s, b_l = (2 * (p - 1) * 4 * small / p, 2 * (p - 1) * 4 * large / p) if p > 1 else (0, 1)
+            # on shared cores the small call can come out as slow as the large one: the large call's
+            # own time per byte (half of it) bounds beta from below
+            beta = max(1e-12, (t_l - t_s) / max(1.0, b_l - b_s), 0.5 * t_l / max(1.0, b_l))
+            alpha = max(1e-7, (t_s - beta * b_s) / rounds)
+            self.link[level] = [alpha, beta]
+        if P == 1:
+            self.link["flat"] = [0.0, 0.0]
+        return time.perf_counter() - t0
+
+
+    def _refit(self, cand: Candidate, wire: float, total: float, n: int, from_call: bool = True) -> None:
+        """The measured call -> the estimates. ``from_call``: a bandwidth-bound call (its predicted
+        ``beta * bytes`` at least its ``alpha * rounds``) refits the beta of the level it crossed from
+        its wire time (when the latency term alone exceeds the measurement, both terms scale down);
+        a latency-bound call says little about the link (its wire time is mostly waiting for the
+        other ranks), so the link stays (the probe re-measures it). Then the reducer's CPU overhead
+        per element = measured total - predicted wire: contention for cores lands there."""
+        c = self._last_cost
+        if cand.reducer == "hier":
+            a, b = self.link.get("intra", self.link["flat"])
+            wire = max(0.0, wire - a * c.get("intra_rounds", 0) - b * c.get("intra_bytes_received", 0))
+            level, rounds, nbytes = "inter", c.get("inter_rounds", 0), c.get("inter_bytes_received", 0)
+        else:
+            level, rounds, nbytes = "flat", c.get("rounds", 0), c.get("bytes_received", 0)
+        alpha, beta = self.link.get(level, self.link["flat"])
+        pa, pb = alpha * rounds, beta * nbytes
+        if from_call and pb >= pa and pb > 0:
+            if wire > pa:
+                beta = (wire - pa) / nbytes
+            else:
+                scale = wire / (pa + pb)
+                alpha, beta = alpha * scale, beta * scale
+            self.link[level] = [alpha, beta]
+        self.cpu[cand.reducer] = max(0.0, total - self._wire(cand, n)) / max(1, n)
+
+    # ------------------------------------------------------------------ the model and the decision
+    def _cost(self, cand: Candidate, n: int) -> dict:
+        P = self.comm.world_size
+        vb = 2 if VALUE_DTYPES[cand.value_dtype] is not None else 4
+        k = max(1, int(round(cand.density * n)))
+        opts = self.candidate_options.get(cand.reducer, {})
+        if cand.reducer == "hier":
+            fp32 = REDUCERS.lookup("hier").predicted_cost(P, n, k, value_bytes=4, sites=self.layout, outer=cand.outer,
+                                                          density=cand.density)
+            half = REDUCERS.lookup("hier").predicted_cost(P, n, k, value_bytes=vb, sites=self.layout,
+                                                          outer=cand.outer, density=cand.density)
+            if fp32 is None or half is None:
+                return {}
+            return {"intra": fp32["intra"], "inter": half["inter"]}
+        pc = REDUCERS.lookup(cand.reducer).predicted_cost(P, n, k, value_bytes=vb, **opts)
+        return {"flat": pc} if pc is not None else {}
+
+    def _wire(self, cand: Candidate, n: int) -> float:
+        """``alpha * rounds + beta * bytes`` summed over the levels the candidate crosses."""
+        t = 0.0
+        for level, pc in self._cost(cand, n).items():
+            alpha, beta = self.link.get(level, self.link["flat"])
+            t += alpha * mid(pc["rounds"]) + beta * mid(pc["bytes_received"])
+        return t
+
+    def _predict(self, cand: Candidate, n: int) -> float:
+        """The candidate's time per call: what it measured since the last link change when it ran
+        then, else the model (wire + CPU overhead)."""
+        if cand.spec in self.measured:
+            return self.measured[cand.spec]
+        per = self.cpu.get(cand.reducer, CPU_PRIOR_S.get(cand.reducer, CPU_PRIOR_OTHER))
+        return self._wire(cand, n) + per * n
+
+
+def mid(v) -> float:
+    return 0.5 * (v[0] + v[1]) if isinstance(v, tuple) else float(v)
+
