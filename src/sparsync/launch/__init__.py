@@ -5,8 +5,9 @@
 
 * ``"thread"``: a :class:`~sparsync.threadcomm.ThreadWorld` (any world size up to ``MAX_THREAD_RANKS`` = 256 in tests;
   optional virtual alpha-beta clock via ``alpha=``/``beta=``).
-* ``"gloo"``: one OS process per rank, ``fork`` start method when it is safe (no CUDA context and
-  ``fn`` may be a closure), ``spawn`` otherwise. Each child pins torch to one thread,
+* ``"gloo"``: one OS process per rank, ``fork`` start method when it is safe (no CUDA context, no
+  autograd device threads - :func:`autograd_threads_started` - and ``fn`` may be a closure), ``spawn``
+  otherwise. Each child pins torch to one thread,
   rendezvous through a ``FileStore`` in a temporary directory (no port to race for, and it works
   across network namespaces), runs ``fn``, meets the others at a final barrier and exits with
   ``os._exit`` so no atexit hook can hang. The parent watches every child: the first exception on
@@ -25,9 +26,11 @@
 * A rank that is stopped (SIGSTOP, a debugger) is named as the culprit when the others time out.
 * ``timeout`` is a *stall* timeout, not a deadline: the run is stopped when no rank has made
   progress for ``timeout`` seconds - a collective that waits that long fails in the ranks, and the
-  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step; for a
-  function that never beats, ``timeout`` counts from the start, a deadline; the rendezvous, too,
-  must complete within it). ``time_limit`` (default none) is the separate limit on the whole run.
+  launcher watches the ranks' :func:`progress` beats (the training loop beats once per step, and
+  every rank once when its process is up: the timeout counts once every rank is up, which may take
+  ``STARTUP_S``; for a function that never beats, ``timeout`` counts from there, a deadline; the
+  rendezvous, too, must complete within it). ``time_limit`` (default none) is the separate limit on
+  the whole run.
 * ``world_size`` of process ranks is bounded before anything starts (:func:`check_local_workers`:
   file descriptors, processes, memory, cores), with one line naming the limit that binds.
 * ``placement``: an optional callable ``placement(rank) -> dict`` run in the child before the
@@ -52,19 +55,20 @@ from .failures import RankFailed, name_rank, proc_state
 from .limits import (RANK_MEMORY, RANK_THREADS, RANKS_PER_CORE, check_local_workers, format_bytes,
                      local_worker_limit)
 from .orphans import REAPERS, die_with_parent, on_orphan, rank_process_name, start_reaper, stop_reaper
-from .processes import STORE_PREFIX, pick_start_method, progress, run_processes
+from .processes import (AUTOGRAD_THREAD_PREFIX, STARTUP_S, STORE_PREFIX, _pickles, autograd_threads_started,
+                        pick_start_method, progress, run_processes)
 from .threads import run_threads
 from .torchrun import comm_from_env, lost_peer_error, peer_table, torchrun_main
 
 __all__ = ["run_local", "comm_from_env", "torchrun_main", "RankFailed", "on_orphan", "STORE_PREFIX",
            "rank_process_name", "peer_table", "lost_peer_error", "progress", "check_local_workers",
-           "start_reaper", "stop_reaper",
+           "start_reaper", "stop_reaper", "autograd_threads_started", "STARTUP_S", "AUTOGRAD_THREAD_PREFIX",
            # re-exported from the parts
            "RANK_MEMORY", "RANK_THREADS", "RANKS_PER_CORE", "REAPERS", "die_with_parent", "format_bytes",
            "local_worker_limit", "proc_state"]
 
 # private names of this module before it was split into parts
-_name_rank, _pick_start_method = name_rank, pick_start_method
+_name_rank, _pick_start_method, _pickles = name_rank, pick_start_method, _pickles
 
 
 def run_local(fn: Callable, world_size: int, *args, backend: str = "thread", timeout: float = 120.0,

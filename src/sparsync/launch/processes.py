@@ -6,7 +6,11 @@ across network namespaces), runs ``fn``, meets them at a final barrier, ships it
 exception to the launcher over a pipe and exits with ``os._exit`` (no atexit hook can hang). The
 launcher watches every pipe: the first error on any rank stops the others and is re-raised, with the
 culprit named (:mod:`.blame`); a stall past ``timeout`` without a :func:`progress` beat of any rank,
-or a run past ``time_limit``, is an error too. Never a hang.
+or a run past ``time_limit``, is an error too. Every rank beats once when it is up; the stall timeout
+counts once all are, and ranks not up within ``max(STARTUP_S, timeout)`` fail the run. Never a hang.
+
+Ranks are forked where that is safe, spawned where CUDA is initialised or autograd's device threads
+run here (:func:`pick_start_method`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from .blame import blame_dead, blame_stopped, blame_stuck, how_died, reported_ca
 from .failures import RankFailed, is_connection_error, name_rank
 from .orphans import REAPERS, become_rank, rank_process_name, signals_stop_ranks, stop_reaper, watch_parent
 
-__all__ = ["STORE_PREFIX", "pick_start_method", "progress", "run_processes"]
+__all__ = ["AUTOGRAD_THREAD_PREFIX", "STARTUP_S", "STORE_PREFIX", "autograd_threads_started", "pick_start_method",
+           "progress", "run_processes"]
 
 STORE_PREFIX = "sparsync-store-"
 
@@ -64,6 +69,7 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
     try:
         become_rank(parent_pid, rank, forked)
         _HEARTBEAT.slot = (beats, rank)
+        progress()  # the rank is up: a spawned rank's interpreter start is not a stall
         torch.set_num_threads(1)
         env = placement(rank) if placement else {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
         os.environ.update(env or {})
@@ -96,20 +102,67 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
     os._exit(0 if status == "ok" else 1)
 
 
-def pick_start_method(requested):
-    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here: a forked child cannot
-    use it then, so ``spawn``. Only torch's flag is read: ``torch.cuda.is_available()`` asks the
-    driver, after which no forked child can use CUDA either (torch refuses: "Cannot re-initialize
-    CUDA in forked subprocess") - a caller that did so and whose ranks use CUDA passes
-    ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before asking."""
+#: seconds a rank process may take to start (to its first beat: a spawned rank imports torch and
+#: the caller's modules first) before the run fails; the stall timeout counts once every rank is up
+STARTUP_S = 120.0
+#: Name prefix torch gives autograd's per-device worker threads (``pt_autograd_<device>``).
+AUTOGRAD_THREAD_PREFIX = "pt_autograd_"
+
+
+def autograd_threads_started() -> bool:
+    """Whether autograd's per-device worker threads run in this process (Linux: thread names).
+
+    torch starts them at the first backward pass on a machine where an accelerator is visible,
+    whatever device that backward ran on; from then on a forked child cannot run a backward pass
+    ("Unable to handle autograd's threading in combination with fork-based multiprocessing"), and
+    the device-count query behind them has initialised the driver, so it cannot use CUDA either.
+    On a CPU-only machine they never start. ``False`` where thread names cannot be read."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().startswith(AUTOGRAD_THREAD_PREFIX):
+                    return True
+        except OSError:  # the thread ended meanwhile
+            continue
+    return False
+
+
+def pick_start_method(requested, payload=()):
+    """``fork`` (fast; ``fn`` need not pickle) unless CUDA is initialised here, or autograd's device
+    threads run (:func:`autograd_threads_started`) and ``payload`` (``fn``, its arguments, the
+    placement) pickles: then ``spawn``. A forked child could not use CUDA after the first, nor run a
+    backward pass after the second; a payload that does not pickle (a local function: collectives
+    that need no backward pass) is still forked, and a backward pass in it fails with torch's error.
+    An explicit ``requested`` method is kept. Only torch's flag is read for CUDA:
+    ``torch.cuda.is_available()`` asks the driver, after which no forked child can use CUDA either
+    (torch refuses: "Cannot re-initialize CUDA in forked subprocess") - a caller that did so and whose
+    ranks use CUDA passes ``start_method="spawn"``, or sets ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` before
+    asking."""
     if requested:
         return requested
-    return "spawn" if torch.cuda.is_initialized() else "fork"
+    if torch.cuda.is_initialized():
+        return "spawn"
+    return "spawn" if autograd_threads_started() and _pickles(payload) else "fork"
+
+
+def _pickles(obj) -> bool:
+    """Whether ``spawn`` can send ``obj`` (its pickler: tensors go to shared memory, as they would)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    try:
+        ForkingPickler.dumps(obj)
+    except Exception:  # noqa: BLE001 - any failure to pickle (local objects, locks, open files) means fork
+        return False
+    return True
 
 
 def run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None) -> list:
     """``fn(comm, *args, **kwargs)`` on ``world_size`` process ranks; the results in rank order."""
-    ctx = mp.get_context(pick_start_method(start_method))
+    ctx = mp.get_context(pick_start_method(start_method, (fn, args, kwargs, placement)))
     tmp = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
     store_path = os.path.join(tmp, "store")
     procs, conns = [], []
@@ -149,7 +202,15 @@ def _collect(procs, conns, world_size, timeout, beats=None, time_limit=None):
         if time_limit is not None and now - start > time_limit:
             raise RankFailed(f"the run exceeded its time limit of {time_limit:g} s (--time-limit); ranks {missing} "
                              f"of {world_size} were still running and were stopped")
-        last = max(start, max(beats)) if beats is not None else start
+        if beats is not None and not all(beats):  # a rank is not up yet (a spawned one imports torch first)
+            if now - start > max(STARTUP_S, timeout):
+                _kill_all(procs)
+                late = [r for r in range(world_size) if not beats[r]]
+                raise RankFailed(f"ranks {late} of {world_size} did not start within "
+                                 f"{max(STARTUP_S, timeout):g} s; every rank was stopped")
+            last = now
+        else:
+            last = max(start, max(beats)) if beats is not None else start
         stall = timeout + stall_grace(timeout)
         if now - last > stall:
             blame_stopped(procs, world_size, None, f"no progress for {now - last:.0f} s")

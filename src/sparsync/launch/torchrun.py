@@ -26,7 +26,9 @@ _WATCHING_PARENT: list[int] = []  # the agent pid this worker watches (one per p
 def comm_from_env(backend: str | None = None, timeout: float = 300.0, die_with_agent: bool | None = None):
     """A TorchComm for a process started by ``torchrun`` (env:// rendezvous: RANK, WORLD_SIZE, ...).
 
-    ``backend`` defaults to NCCL when CUDA is available, gloo otherwise. ``die_with_agent`` (default:
+    ``backend`` defaults to NCCL when there is a CUDA device for every local rank (NCCL refuses two
+    ranks on one GPU), gloo otherwise; an explicit NCCL request with fewer GPUs than local ranks is a
+    one-line ``ValueError``. ``die_with_agent`` (default:
     when torchrun's agent started us, ``TORCHELASTIC_RUN_ID`` set): this worker gets SIGKILL when its
     parent - the agent - dies (:func:`~sparsync.launch.die_with_parent`), as ``run_local``'s ranks do,
     so a killed agent leaves no worker training on.
@@ -44,9 +46,14 @@ def comm_from_env(backend: str | None = None, timeout: float = 300.0, die_with_a
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
             raise RuntimeError(f"not started by torchrun: environment variables {missing} are missing")
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        local_rank, local_ranks = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        backend = backend or ("nccl" if gpus >= local_ranks else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            if local_rank >= gpus:
+                raise ValueError(f"NCCL needs a GPU per local rank: local rank {local_rank} of {local_ranks}, "
+                                 f"{gpus} CUDA devices here (use backend='gloo')")
+            torch.cuda.set_device(local_rank)
         store, rank, world_size = next(dist.rendezvous("env://", timeout=timedelta(seconds=timeout)))
         # under `torchrun --max-restarts` every attempt shares the agent's store: keys of a dead
         # attempt (its ranks' gloo addresses) would make the next attempt connect to dead ports
