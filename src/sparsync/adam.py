@@ -26,7 +26,7 @@ import math
 
 import torch
 
-__all__ = ["FrozenVarianceAdamW", "VelocityAdamW"]
+__all__ = ["FrozenVarianceAdamW"]
 
 
 class FrozenVarianceAdamW(torch.optim.AdamW):
