@@ -76,7 +76,7 @@ def _train(comm, reducer, density, policy_opts, freeze, steps=10, split=-1, prob
         if t == split:
             blob = {"m": {k: v.clone() for k, v in model.state_dict().items()}, "o": opt.state_dict(),
                     "e": ddp.sparsync_state_dict()}
-            ddp.close() if hasattr(ddp, "close") else None
+            ddp.close()
             ddp, opt = build()
             model.load_state_dict(blob["m"])
             opt.load_state_dict(blob["o"])
@@ -89,8 +89,7 @@ def _train(comm, reducer, density, policy_opts, freeze, steps=10, split=-1, prob
             params = list(model.parameters())  # in the merge group's layout, as velocity and residual are
             sent += torch.cat([params[i].grad.reshape(-1) for i in ddp._engine.groups[0]])
             fed += ddp._engine.policy.velocity[0]
-    if hasattr(ddp, "close"):
-        ddp.close()
+    ddp.close()
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     if not probe:
         return params
