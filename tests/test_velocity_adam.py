@@ -59,8 +59,11 @@ def _train(comm, reducer, density, policy_opts, freeze, steps=10, split=-1, prob
     """A tiny MLP through SparseDDP with the trainer's optimizer (``make_optimizer``), optionally
     rebuilt from state dicts after ``split`` steps. Returns the flat parameters (and, with ``probe``,
     the conservation check's two sides)."""
-    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    init = torch.Generator().manual_seed(0)  # not the global RNG: thread ranks share it
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=init))
     cfg = _cfg(adam_freeze=freeze, convergence=dict(policy_opts))
 
     def build():
