@@ -15,6 +15,9 @@ on each parameter's ``exp_avg_sq`` is never written again and the bias correctio
 its value of step ``freeze_after``, while the first moment, weight decay and learning rate go on
 as in AdamW (torch's single-tensor arithmetic: ``p *= 1 - lr wd``, ``m = lerp(m, g, 1 - b1)``,
 ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^T) + eps)``). Its state dict is AdamW's.
+
+:class:`VelocityAdamW` is the same optimizer fed the *momentum* instead of the gradient, for error
+feedback on the momentum (:mod:`sparsync.velocity_adam`).
 """
 
 from __future__ import annotations
@@ -60,15 +63,19 @@ class FrozenVarianceAdamW(torch.optim.AdamW):
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
-                    raise RuntimeError("FrozenVarianceAdamW does not support sparse gradients")
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 st = self.state[p]
                 if "exp_avg_sq" not in st:
-                    raise RuntimeError("FrozenVarianceAdamW: a parameter received its first gradient after the "
+                    raise RuntimeError(f"{type(self).__name__}: a parameter received its first gradient after the "
                                        "second moment was frozen (it has no second moment to freeze)")
                 st["step"] += 1
                 t = int(st["step"])
                 p.mul_(1 - lr * wd)
-                st["exp_avg"].lerp_(p.grad, 1 - b1)
+                self._first_moment(st, p.grad, b1)
                 denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps)
                 p.addcdiv_(st["exp_avg"], denom, value=-lr / (1 - b1 ** t))
         return loss
+
+    def _first_moment(self, st: dict, grad: torch.Tensor, b1: float) -> None:
+        """After the freeze: the new first moment from this step's input (AdamW's ``m = lerp(m, g, 1 - b1)``)."""
+        st["exp_avg"].lerp_(grad, 1 - b1)

@@ -15,6 +15,9 @@ one; it depends on the run's total ``steps``.
 
 ``adam_freeze``: AdamW whose second moment stops updating after that many steps
 (:class:`sparsync.adam.FrozenVarianceAdamW`, as 1-bit Adam does after its warm-up; 0 = off).
+With momentum correction (``momentum=b1,masking=false``) and ``adam_freeze`` the reducer averages the
+ranks' velocities and AdamW is fed that momentum (:class:`sparsync.velocity_adam.VelocityAdamW`:
+1-bit Adam's error-compensated momentum; :func:`check_velocity_adamw` says what it needs).
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import math
 
 import torch
 
-__all__ = ["COSINE_FLOOR", "OPTIMIZERS", "SCHEDULES", "lr_factor", "make_optimizer", "set_lr"]
+__all__ = ["COSINE_FLOOR", "OPTIMIZERS", "SCHEDULES", "check_velocity_adamw", "lr_factor", "make_optimizer",
+           "set_lr"]
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -64,7 +68,12 @@ def make_optimizer(cfg, params) -> torch.optim.Optimizer:
     params = list(params)
     wd = float(cfg.weight_decay or 0.0)
     groups = _groups(params, wd)
-    if cfg.optimizer == "sgd" or cfg.convergence.get("momentum"):
+    momentum = float(cfg.convergence.get("momentum") or 0.0)
+    if momentum and cfg.optimizer == "adamw":
+        from ..velocity_adam import VelocityAdamW
+
+        return VelocityAdamW(groups, lr=cfg.lr, betas=(momentum, 0.999), freeze_after=int(cfg.adam_freeze))
+    if cfg.optimizer == "sgd" or momentum:
         return torch.optim.SGD(groups, lr=cfg.lr)
     if cfg.optimizer in ("momentum", "nesterov"):
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.optimizer == "nesterov")
@@ -76,3 +85,22 @@ def make_optimizer(cfg, params) -> torch.optim.Optimizer:
             return FrozenVarianceAdamW(groups, lr=cfg.lr, freeze_after=freeze)
         return torch.optim.AdamW(groups, lr=cfg.lr)
     return torch.optim.Adam(groups, lr=cfg.lr)
+
+
+def check_velocity_adamw(cfg, policy) -> None:
+    """Momentum correction under AdamW (:class:`sparsync.velocity_adam.VelocityAdamW`) needs: the second
+    moment frozen (``adam_freeze`` >= 1), a lossless exchange until then (``dense_steps >= adam_freeze``:
+    the warm-up recovers the averaged gradient from consecutive velocities), the whole velocity kept
+    (``masking=false``) and plain (not Nesterov) momentum. One-line ``ValueError`` otherwise."""
+    need = []
+    if not cfg.adam_freeze:
+        need.append("adam_freeze=N (the second moment frozen after N steps)")
+    elif policy.dense_steps < cfg.adam_freeze:
+        need.append(f"dense_steps >= adam_freeze ({policy.dense_steps} < {cfg.adam_freeze})")
+    if policy.masking:
+        need.append("masking=false")
+    if policy.nesterov:
+        need.append("nesterov=false")
+    if need:
+        raise ValueError("momentum correction under --optimizer adamw (error feedback on the momentum, 1-bit Adam) "
+                         "needs " + ", ".join(need))

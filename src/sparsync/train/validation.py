@@ -57,13 +57,18 @@ def validate(cfg: TrainConfig):
             raise ValueError(f"convergence options ({', '.join(sorted(cfg.convergence))}) apply to SparseDDP "
                              f"reducers, not to {cfg.reducer!r}")
         pol = policy_from_options(cfg.convergence)
-        if pol.momentum and cfg.optimizer in ("adam", "adamw"):
+        if pol.momentum and cfg.optimizer == "adam":
             raise ValueError("momentum correction replaces SGD's momentum (the optimizer becomes plain SGD); "
                              f"it does not apply to --optimizer {cfg.optimizer}")
     local.check(cfg)
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
     _validate_optimizer(cfg)
+    if cfg.convergence and cfg.convergence.get("momentum") and cfg.optimizer == "adamw":
+        from ..convergence import policy_from_options
+        from .optim import check_velocity_adamw
+
+        check_velocity_adamw(cfg, policy_from_options(policy_options(cfg)))
     if cfg.rate_schedule:
         _check_rate_schedule(cfg)
     if cfg.convergence:  # what the run will use, as its label and config.json say
@@ -123,9 +128,12 @@ def check_network(network: str) -> None:
 
 def policy_options(cfg: TrainConfig) -> dict:
     """The run's GradientPolicy options: momentum correction takes the optimizer's kind of momentum,
-    so with ``--optimizer nesterov`` it is Nesterov's unless ``nesterov`` is given explicitly."""
+    so with ``--optimizer nesterov`` it is Nesterov's unless ``nesterov`` is given explicitly; under
+    ``--optimizer adamw`` masking is off unless given."""
     opts = dict(cfg.convergence)
     if opts.get("momentum") and cfg.optimizer == "nesterov":
         opts.setdefault("nesterov", True)
+    if opts.get("momentum") and cfg.optimizer == "adamw":  # the optimizer is fed the whole velocity
+        opts.setdefault("masking", False)                # (sparsync.velocity_adam)
     return opts
 
