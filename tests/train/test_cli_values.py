@@ -120,3 +120,18 @@ def test_train_linear_file_errors_are_the_usual_one_line_exit_2(tmp_path, capsys
                  "--data", str(f)]) == 2
     line = _one_line(capsys)
     assert line.startswith("sparsync train-linear: error: ") and re.search(pattern, line), line
+
+
+def test_a_topology_network_passes_the_checks_before_a_run_and_its_rates_are_bounded():
+    """``--topology 2x2 --intra R --inter R`` reaches the pre-run checks as ``2x2@R/R``: each level's
+    rate is checked, the spec itself is not read as one rate (which refused every topology run)."""
+    from sparsync.commands import UsageError
+    from sparsync.commands._preflight import preflight
+    from sparsync.train.config import TrainConfig
+
+    ok = TrainConfig(workload="digits-mlp", reducer="micro", workers=4, network="2x2@10gbit/200mbit", steps=2)
+    preflight(ok, network=False)
+    too_fast = TrainConfig(workload="digits-mlp", reducer="micro", workers=4, network="2x2@10gbit/2000gbit",
+                           steps=2)
+    with pytest.raises(UsageError, match="bandwidth must be at most 1000gbit"):
+        preflight(too_fast, network=False)

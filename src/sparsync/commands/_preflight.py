@@ -144,8 +144,15 @@ def preflight(cfg, network: bool = True):
             check_run_name(cfg.name)
         if cfg.network not in ("loopback", "thread", "torchrun"):
             from ..cluster import link_bandwidth
+            from ..sites import Topology, is_topology_spec
 
-            link_bandwidth(cfg.network)
+            if is_topology_spec(cfg.network):  # sites: each level's rate is checked where it is parsed
+                topo = Topology.from_spec(cfg.network)
+                for rate in (topo.intra, topo.inter):
+                    if rate is not None:
+                        link_bandwidth(rate)
+            else:
+                link_bandwidth(cfg.network)
         wl = validate(cfg)
         check_run_name(cfg.name)  # the default name too
         if cfg.is_torch_ddp or cfg.reducer == "nocomm":
