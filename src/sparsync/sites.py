@@ -125,14 +125,14 @@ class Topology:
     @classmethod
     def parse(cls, grid: str, intra, inter) -> Topology:
         """From the CLI's ``--topology 2x2 --intra 10gbit --inter 200mbit``; ValueError in one line."""
-        from .cluster import parse_bandwidth
+        from .cluster import link_bandwidth
 
         g = _grid(str(grid))
         if g is None:
             raise ValueError(f"--topology must look like SITESxRANKS (e.g. 2x2), got {grid!r}")
         if intra is None or inter is None:
             raise ValueError("--topology needs both --intra RATE (inside a site) and --inter RATE (between sites)")
-        return cls(g[0], g[1], parse_bandwidth(intra), parse_bandwidth(inter))
+        return cls(g[0], g[1], link_bandwidth(intra), link_bandwidth(inter))  # rates an emulated link can hold
 
     @classmethod
     def from_spec(cls, spec: str) -> Topology:

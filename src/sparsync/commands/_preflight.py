@@ -146,11 +146,8 @@ def preflight(cfg, network: bool = True):
             from ..cluster import link_bandwidth
             from ..sites import Topology, is_topology_spec
 
-            if is_topology_spec(cfg.network):  # sites: each level's rate is checked where it is parsed
-                topo = Topology.from_spec(cfg.network)
-                for rate in (topo.intra, topo.inter):
-                    if rate is not None:
-                        link_bandwidth(rate)
+            if is_topology_spec(cfg.network):  # sites: both levels' rates, bounded as one link's
+                Topology.from_spec(cfg.network)
             else:
                 link_bandwidth(cfg.network)
         wl = validate(cfg)
