@@ -21,11 +21,11 @@ What it decides from:
     (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
     reduce). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
     total minus the predicted wire becomes that reducer's CPU overhead per element (priors
-    :data:`CPU_PRIOR_S` until measured) - on shared cores a sparse call's "wire" is mostly waiting
-    for the other ranks, which is CPU, not link. A candidate's predicted time is ``alpha * rounds +
-    beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``) plus its overhead -
-    or, for a candidate that ran since the last link change (the probed bandwidth moved by 2x), the time
-    per call it measured then;
+    :data:`~sparsync.autotune.link.CPU_PRIOR_S` until measured) - on shared cores a sparse call's "wire"
+    is mostly waiting for the other ranks, which is CPU, not link. A candidate's predicted time is
+    ``alpha * rounds + beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``)
+    plus its overhead - or, for a candidate that ran since the last link change (the probed bandwidth
+    moved by 2x), the time per call it measured then;
 (c) **gradient statistics**: on a fixed sample of ``sample`` entries of the accumulated gradient
     (``grad + residual`` of the active candidate), the fraction ``kept(d)`` of its squared mass that
     the largest ``d`` share of entries hold, per density (one sort of the sample, vectorised), mean
@@ -71,13 +71,9 @@ import time
 import torch
 
 from ..autotune.candidates import Candidate, conserving, listed, parse_candidate
-from ..autotune.candidates import _is_number as _is_number  # noqa: F401  (importable where it was)
-from ..autotune.decision import _EPS_S as _EPS_S  # noqa: F401
 from ..autotune.decision import Decisions
 from ..autotune.kept import PENALTY, KeptMass, penalty_factor
-from ..autotune.link import CPU_PRIOR_OTHER, CPU_PRIOR_S, LinkModel  # noqa: F401
-from ..autotune.link import LEVELS as _LEVELS  # noqa: F401
-from ..autotune.link import mid as _mid  # noqa: F401
+from ..autotune.link import LinkModel
 from ..sites import site_layout
 from .base import VALUE_DTYPES, Reducer
 from .registry import make_reducer, register
