@@ -332,3 +332,27 @@ def test_sites_bring_hier_in_and_it_conserves():
         lhs = sum(r[t]["g"].double() + (0 if r[t]["before"] is None else r[t]["before"].double()) for r, _ in res)
         rhs = rows[t]["out"].double() + sum(r[t]["after"].double() for r, _ in res)
         assert torch.allclose(lhs, rhs, rtol=0, atol=ATOL * P * 4)
+
+
+def test_watch_reacts_to_a_rate_drop_at_the_next_call():
+    # the same drop at step 6 with checks only every 10 calls: the watch (previous call's time, maximum
+    # over ranks, against the time dense measured at its last check) re-decides at step 7, the call
+    # after the first slow one; with watch=0 auto waits for its next check (step 10)
+    def per_call(rank, step, cand):
+        return (0.4, 0.41) if step >= 6 else (2e-5, 5e-5)
+
+    def first_switch(**opts):
+        res = ss.run_local(_run, 4, N, 14, per_call, lambda rank, step: 0.05, backend="thread",
+                           candidates="dense,micro:0.02", link=FAST, check_every=4, **opts)
+        decisions = [d for _, d in res]
+        assert all(d == decisions[0] for d in decisions)
+        return [d["step"] for d in decisions[0] if d["switched"] and d["chosen"] == "micro:0.02"][0]
+    assert first_switch() == 7
+    assert first_switch(watch=0) == 8
+
+
+def test_watch_option_is_checked():
+    comm = ThreadWorld(4).comms()[0]
+    for bad in (1.0, -2, True, "3"):
+        with pytest.raises(ValueError, match="watch"):
+            make_reducer("auto", comm, watch=bad)

@@ -76,6 +76,17 @@ class Decisions:
         self._set_kept(kept)
         return None
 
+    def _watch(self, grad: torch.Tensor) -> dict | None:
+        """Between checks: the previous call's time (maximum over ranks) against the prediction; far
+        off (by more than ``watch``), the check runs now on that call alone."""
+        total = self._gather([self.window[-1][1]], [])[0][0]
+        pred = self._predict(self.candidates[self.active], grad.numel())
+        ratio = (total + _EPS_S) / (pred + _EPS_S)
+        if 1 / self.watch <= ratio <= self.watch:
+            return None
+        self.window = self.window[-1:]
+        return self._check(grad)
+
     def _decide(self, n: int, gap: float, kept: list[float], reason: str) -> dict:
         """Score every candidate (same inputs on every rank: the same result), switch if needed."""
         self._set_kept(kept)

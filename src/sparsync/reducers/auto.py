@@ -49,7 +49,12 @@ Re-decision: every ``check_every`` calls the ranks exchange their window's measu
 statistics (one small all-gather of control data); every ``decide_every`` calls, or at once when the
 measured time per call of the active candidate differs from its prediction by more than ``deviation``
 (``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
-again and the candidates are scored again; the reason names a link change when the probed bandwidth
+again and the candidates are scored again. Between checks a **watch** reacts to an abrupt change: at
+every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
+number); when it is off the time that candidate measured at its last check by more than ``watch``
+(default 3x, so the noise of a loaded machine does not trigger it), the check runs at once on that
+call alone - a link whose rate drops
+costs one slow step, not ``check_every`` (``watch=0`` turns it off); the reason names a link change when the probed bandwidth
 moved by more than 2x, else a change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
 tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
@@ -98,13 +103,14 @@ def _carry_residual(old: Reducer | None) -> torch.Tensor | None:
 class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     """``make_reducer("auto", comm, density, candidates=None, sparse="micro", densities=(0.01, 0.02,
     0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=1.5,
-    margin=0.05, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
+    watch=3.0, margin=0.05, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
     candidate_options=None)``; see the module docstring. ``density`` is unused unless a candidate
     spelling omits its own."""
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
-                 check_every: int = 5, deviation: float = 1.5, margin: float = 0.05, penalty: float = PENALTY,
+                 check_every: int = 5, deviation: float = 1.5, watch: float = 3.0, margin: float = 0.05,
+                 penalty: float = PENALTY,
                  probe: bool = True, probe_repeats: int = 2, link: dict | None = None, sample: int = 65536,
                  candidate_options: dict | None = None, value_dtype: str = "fp32", nonfinite: str = "error"):
         if value_dtype != "fp32":
@@ -116,6 +122,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                 raise ValueError(f"auto: {k} must be an integer >= {lo}, got {v!r}")
         if not (isinstance(deviation, (int, float)) and deviation > 1):
             raise ValueError(f"auto: deviation must be a factor > 1, got {deviation!r}")
+        if isinstance(watch, bool) or not (isinstance(watch, (int, float)) and (watch == 0 or watch > 1)):
+            raise ValueError(f"auto: watch must be 0 (off) or a factor > 1, got {watch!r}")
         if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
             raise ValueError(f"auto: margin must be in [0, 1), got {margin!r}")
         if not (isinstance(penalty, (int, float)) and penalty >= 0):
@@ -151,6 +159,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.conserving = all(conserving(c) for c in self.candidates)
         self.decide_every, self.check_every = decide_every, check_every
         self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
+        self.watch = float(watch)
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
         self.declared = link is not None  # a declared link is never re-probed
@@ -218,6 +227,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             decision["probe_s"] = probe_s
         elif self.step % self.check_every == 0 and len(self.window) >= 2:
             decision = self._check(grad)
+        elif self.watch and self.window and self.candidates[self.active].spec in self.measured:
+            decision = self._watch(grad)
         x = grad if self._carry is None else grad + self._carry
         self._carry = None
         cand = self._cand
