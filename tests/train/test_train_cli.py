@@ -84,3 +84,23 @@ def test_run_default_verdict_and_choice():
     assert "best sparsync row micro reached the target in 3.90 s" in out and out.startswith("goal MET")
     out = verdict(base + [{**fast, "final_accuracy": 0.95}])  # none within 0.5 points: the fastest, judged
     assert "[NO] final accuracy 2.00 points below dense" in out
+
+
+def test_stop_at_target_ends_every_rank_at_the_crossing(tmp_path):
+    # the same deterministic thread-rank run with and without --stop-at-target: the stopped run ends at
+    # the first evaluation at or above the target, with the same steps to target, and writes that many steps
+    import json
+
+    base = ["train", "--thread", "--workload", "digits-mlp", "--workload-option", "width=64", "--workers", "2",
+            "--reducer", "micro", "--density", "0.05", "--steps", "30", "--eval-every", "3",
+            "--target-accuracy", "0.5", "--runs-dir", str(tmp_path), "--no-progress"]
+    assert main(base + ["--name", "full"]) == 0
+    assert main(base + ["--name", "stop", "--stop-at-target"]) == 0
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    stop = json.loads((tmp_path / "stop" / "summary.json").read_text())
+    assert full["stopped_at_target"] is None and full["steps_to_target"] is not None
+    first = next(e["step"] + 1 for e in full["evals"] if e["accuracy"] >= 0.5)
+    assert first < 30 and stop["stopped_at_target"] == first
+    assert stop["steps_to_target"] == full["steps_to_target"]
+    lines = (tmp_path / "stop" / "metrics.jsonl").read_text().splitlines()
+    assert len([ln for ln in lines if '"step"' in ln]) == first

@@ -89,6 +89,9 @@ def add_common(p, compare: bool = False) -> None:
                         "answers) for this many seconds; a run that keeps progressing is never stopped by it")
     p.add_argument("--time-limit", type=float_in(0, SECONDS_MAX, "--time-limit"), default=None, metavar="SECONDS",
                    help="stop the whole run after this many seconds, progressing or not (default: no limit)")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="end each run at the first evaluation that reaches the target (time to target "
+                        "unchanged; final numbers are then those at the target)")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also log loss, accuracy and step time to a TensorBoard directory (needs the "
                         "tensorboard package: pip install 'sparsync[tensorboard]')")
@@ -162,4 +165,5 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
         name=name if name is not None else getattr(args, "name", None), runs_dir=args.runs_dir,
         checkpoint_every=getattr(args, "checkpoint_every", 0), network=network_of(args),
         keep_checkpoints=getattr(args, "keep_checkpoints", 2), rate_schedule=getattr(args, "rate_schedule", ""),
-        progress=not args.no_progress, timeout=args.timeout, time_limit=getattr(args, "time_limit", None))
+        progress=not args.no_progress, timeout=args.timeout, time_limit=getattr(args, "time_limit", None),
+        stop_at_target=bool(getattr(args, "stop_at_target", False)))

@@ -53,9 +53,9 @@ again and the candidates are scored again. Between checks a **watch** reacts to 
 every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
 number); when it is off the time that candidate measured at its last check by more than ``watch``
 (default 3x, so the noise of a loaded machine does not trigger it), the check runs at once on that
-call alone - a link whose rate drops
-costs one slow step, not ``check_every`` (``watch=0`` turns it off); the reason names a link change when the probed bandwidth
-moved by more than 2x, else a change of CPU time. **Every rank makes the same decision**: it decides from the
+call alone - a link whose rate drops costs one slow step, not ``check_every`` (``watch=0`` turns
+it off). The reason names a link change when the probed bandwidth moved by more than 2x, else a
+change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
 tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
 another scores ``margin`` lower).

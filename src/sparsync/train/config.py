@@ -15,7 +15,7 @@ __all__ = ["VOLATILE", "TrainConfig", "default_name"]
 #: fields that do not change the trajectory of a run (may differ between a run and its resume)
 VOLATILE = {"name", "runs_dir", "steps", "checkpoint_every", "progress", "network", "rate_schedule", "force",
              "resume", "target_accuracy", "target_loss", "timeout", "time_limit", "final_checkpoint",
-             "keep_checkpoints"}
+             "keep_checkpoints", "stop_at_target"}
 
 
 @dataclass
@@ -56,6 +56,7 @@ class TrainConfig:
     progress: bool = True
     timeout: float = 600.0            # stall timeout: seconds without a completed step (run_local)
     time_limit: float | None = None   # whole-run limit in seconds (None: none)
+    stop_at_target: bool = False      # end the run at the first evaluation that reaches the target
 
     def fill_defaults(self, workload) -> TrainConfig:
         d = workload.defaults

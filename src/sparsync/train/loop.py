@@ -25,6 +25,10 @@ other step). Time and steps to target are interpolated between the evaluations o
 the crossing (:func:`sparsync.train.stats.crossing`; the target is on accuracy, or on the metric a
 configuration's ``target_metric`` names); the run's final numbers are :func:`sparsync.train.summary.summarize`.
 
+``stop_at_target`` (``--stop-at-target``) ends the run at the first evaluation that reaches the
+target: rank 0's verdict travels with the meeting after the evaluation, so every rank stops at the
+same step; the summary's ``stopped_at_target`` is the number of steps run.
+
 Resume: every rank saves model, optimizer, engine (reducer residuals etc.) and the loop's counters;
 since data depend only on (seed, step), a resumed run reproduces the uninterrupted one's losses
 bitwise (tested in ``tests/train/test_train_resume.py``).
@@ -240,6 +244,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     comm.barrier()
     last_acc = evals[-1]["accuracy"] if evals else None
     rates = _rate_schedule(cfg, start)
+    stop, end = False, cfg.steps
     try:
         for step in range(start, cfg.steps):
             if step in rates:  # the emulated inter-host links change rate before this step (a collective)
@@ -274,9 +279,15 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
                 last_acc = ev["accuracy"]
                 if time_to_target is None and _reached(cfg, ev):
                     time_to_target = train_time
-                comm.barrier()  # untimed: every rank starts the next step together, as after any step
-                #                 (else the others compute it while rank 0 evaluates, and rank 0's next
-                #                 step finds the cores free: steps after an evaluation would look faster)
+                # untimed: every rank starts the next step together, as after any step (else the others
+                # compute it while rank 0 evaluates, and rank 0's next step finds the cores free: steps
+                # after an evaluation would look faster). With stop_at_target the meeting carries rank
+                # 0's verdict (its evaluations are the run's), so every rank stops at the same step.
+                if cfg.stop_at_target:
+                    reached = torch.tensor([time_to_target is not None], dtype=torch.int64)
+                    stop = bool(comm.allgather_control(reached.to(comm.device))[0][0])
+                else:
+                    comm.barrier()
             losses.append(lv)
             rows.append(rec)
             if metrics_f is not None:
@@ -287,6 +298,9 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
                 checkpoint(step + 1)
             progress()  # the stall timeout counts from here (sparsync.launch.run_local)
+            if stop:
+                end = step + 1
+                break
     except BaseException:
         _close(ddp)
         raise
@@ -295,11 +309,12 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             bar.close()
         if metrics_f is not None:
             metrics_f.close()
-    if cfg.final_checkpoint and cfg.steps > start:  # a checkpoint is named by the step whose state it holds
-        checkpoint(cfg.steps)
+    if cfg.final_checkpoint and end > start:  # a checkpoint is named by the step whose state it holds
+        checkpoint(end)
     _close(ddp)
     summary = summarize(cfg, rows if rd is None else RunDir(run_path).metrics() if rank == 0 else rows,
                         evals, time_to_target, train_time, numel, n_heldout=int(wl.y_test.shape[0]))
+    summary["stopped_at_target"] = end if stop else None  # the step count run, when the target ended it
     if record_losses:
         summary["losses"] = losses
     return summary
