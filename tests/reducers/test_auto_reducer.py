@@ -356,3 +356,35 @@ def test_watch_option_is_checked():
     for bad in (1.0, -2, True, "3"):
         with pytest.raises(ValueError, match="watch"):
             make_reducer("auto", comm, watch=bad)
+
+
+def _scaled(factor):
+    """Each call takes exactly the model's wire, and its total ``factor(step)`` times wire + 0.1 ms."""
+    def hook(r, ev):
+        if ev["event"] == "call":
+            w = r._wire(r.candidates[r.active], r.numel)
+            return {**ev, "wire_s": w, "total_s": factor(r.step) * (w + 1e-4)}
+        return ev
+    return hook
+
+
+def _run_hook(comm, n, steps, hook, **opts):
+    r = make_reducer("auto", comm, **opts)
+    r.timings = hook
+    for t in range(steps):
+        r.reduce(_grad(comm.rank, t, n))
+    return r.decisions
+
+
+def test_one_slow_window_does_not_re_decide():
+    # a busy core slows one call 2.5x (below the watch's 3x): the window holding it has a median 1.75x
+    # the candidate's time, beyond `deviation`, but the candidate's time is the median of its windows
+    # since the last link change, so auto does not re-decide; a lasting slow-down does
+    for factor, redecides in ((lambda step: 2.5 if step == 9 else 1.0, False),
+                              (lambda step: 2.5 if step >= 9 else 1.0, True)):
+        res = ss.run_local(_run_hook, 4, N, 16, _scaled(factor), backend="thread",
+                           candidates="dense,micro:0.02", link=SLOW, check_every=2)
+        later = [d for d in res[0] if d["step"] > 4]
+        assert all(d == res[0] for d in res)
+        assert bool(later) == redecides, res[0]
+        assert all("CPU time changed" in d["reason"] for d in later)

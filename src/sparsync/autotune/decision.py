@@ -17,6 +17,7 @@ from .kept import penalty_factor
 __all__ = ["Decisions"]
 
 _EPS_S = 5e-3  # slack in the deviation test: tiny wires do not trigger re-decisions on noise
+_HISTORY = 8   # window medians kept per candidate (since the last link change)
 
 
 class Decisions:
@@ -36,8 +37,10 @@ class Decisions:
         mean = (rows[:, k:].sum(0) / rows.shape[0]).tolist() if len(meaned) else []
         return hi, mean
 
-    def _check(self, grad: torch.Tensor) -> dict | None:
-        """Every ``check_every`` calls: share the window, refit the link, maybe decide again."""
+    def _check(self, grad: torch.Tensor, alone: bool = False, beta_before: float | None = None) -> dict | None:
+        """Every ``check_every`` calls: share the window, refit the link, maybe decide again.
+        ``alone``: the watch saw this window's call far off - decide from it alone; ``beta_before``:
+        the watch has just probed the link (and found it moved), this was its beta."""
         rows = self.window
         gaps = [r[2] for r in rows if r[2] >= 0] or [0.0]
         mine = [statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows),
@@ -51,24 +54,33 @@ class Decisions:
         self.window = []
         n = grad.numel()
         cand = self.candidates[self.active]
-        pred = self._predict(cand, n)
-        ratio = (total + _EPS_S) / (pred + _EPS_S)
-        self.measured.pop(cand.spec, None)  # the model's view for the refit below
-        deviated = ratio > self.deviation or ratio < 1 / self.deviation
-        periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
         level = "inter" if cand.reducer == "hier" else "flat"
-        beta_before = self.link.get(level, self.link["flat"])[1]
-        probed = (deviated or periodic) and self.probe and not self.declared
+        just_probed = beta_before is not None
+        if not just_probed:
+            beta_before = self.link.get(level, self.link["flat"])[1]
+        pred = self._predict(cand, n)
+        # the candidate's time: the median of its windows since the last link change, so that one
+        # window slowed by a busy core neither moves it far nor triggers a re-decision alone
+        history = list(self.measured.pop(cand.spec, []))  # (popped: the model's view for the refit)
+        if alone:
+            history = []
+        robust = statistics.median(history + [total])
+        ratio = (robust + _EPS_S) / (pred + _EPS_S)
+        deviated = alone or ratio > self.deviation or ratio < 1 / self.deviation
+        periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
+        probed = (deviated or periodic) and self.probe and not self.declared and not just_probed
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
-        self._refit(cand, wire, total, n, from_call=not probed)
+        self._refit(cand, wire, total, n, from_call=not (probed or just_probed))
         moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
-        if (probed and (moved > 2 or moved < 0.5)) or (periodic and not deviated):
+        changed = moved > 2 or moved < 0.5
+        if changed or (periodic and not deviated):
             self.measured.clear()  # times measured on the old link (or long ago) no longer hold
-        self.measured[cand.spec] = total
+            history = []
+        deviated = deviated or changed  # a link that changed is a reason to decide again
+        self.measured[cand.spec] = (history + [total])[-_HISTORY:]
         if deviated:
-            why = (f"link changed (bandwidth x{1 / moved:.2f})" if moved > 2 or moved < 0.5
-                   else "CPU time changed (the link did not)")
+            why = f"link changed (bandwidth x{1 / moved:.2f})" if changed else "CPU time changed (the link did not)"
             return self._decide(n, gap, kept, f"measured {1e3 * total:.1f} ms per call vs predicted "
                                               f"{1e3 * pred:.1f} ms (x{ratio:.2f}): {why}")
         if periodic:
@@ -77,15 +89,26 @@ class Decisions:
         return None
 
     def _watch(self, grad: torch.Tensor) -> dict | None:
-        """Between checks: the previous call's time (maximum over ranks) against the prediction; far
-        off (by more than ``watch``), the check runs now on that call alone."""
+        """Between checks: the previous call's time (maximum over ranks) against what the active
+        candidate measured. Off by more than ``watch``, the link is probed: if its bandwidth moved by
+        more than 2x the check runs now on that call alone; else it was the machine (a busy core),
+        which the regular check weighs. A declared link cannot be probed: the check runs."""
         total = self._gather([self.window[-1][1]], [])[0][0]
-        pred = self._predict(self.candidates[self.active], grad.numel())
-        ratio = (total + _EPS_S) / (pred + _EPS_S)
+        cand = self.candidates[self.active]
+        ratio = (total + _EPS_S) / (self._predict(cand, grad.numel()) + _EPS_S)
         if 1 / self.watch <= ratio <= self.watch:
             return None
-        self.window = self.window[-1:]
-        return self._check(grad)
+        if not self.probe or self.declared:
+            self.window = self.window[-1:]
+            return self._check(grad, alone=True)
+        level = "inter" if cand.reducer == "hier" else "flat"
+        beta = self.link.get(level, self.link["flat"])[1]
+        self._probe(grad.numel())
+        moved = self.link.get(level, self.link["flat"])[1] / max(beta, 1e-30)
+        if moved > 2 or moved < 0.5:
+            self.window = self.window[-1:]
+            return self._check(grad, alone=True, beta_before=beta)
+        return None
 
     def _decide(self, n: int, gap: float, kept: list[float], reason: str) -> dict:
         """Score every candidate (same inputs on every rank: the same result), switch if needed."""

@@ -8,6 +8,7 @@ reducer's CPU overhead per element, and a candidate's predicted time per call is
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -125,8 +126,8 @@ class LinkModel:
     def _predict(self, cand: Candidate, n: int) -> float:
         """The candidate's time per call: what it measured since the last link change when it ran
         then, else the model (wire + CPU overhead)."""
-        if cand.spec in self.measured:
-            return self.measured[cand.spec]
+        if self.measured.get(cand.spec):
+            return statistics.median(self.measured[cand.spec])
         per = self.cpu.get(cand.reducer, CPU_PRIOR_S.get(cand.reducer, CPU_PRIOR_OTHER))
         return self._wire(cand, n) + per * n
 

@@ -25,7 +25,8 @@ What it decides from:
     is mostly waiting for the other ranks, which is CPU, not link. A candidate's predicted time is
     ``alpha * rounds + beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``)
     plus its overhead - or, for a candidate that ran since the last link change (the probed bandwidth
-    moved by 2x), the time per call it measured then;
+    moved by 2x), the median of the time per call of its windows since then (the last 8), so that
+    one window slowed by a busy core moves it little;
 (c) **gradient statistics**: on a fixed sample of ``sample`` entries of the accumulated gradient
     (``grad + residual`` of the active candidate), the fraction ``kept(d)`` of its squared mass that
     the largest ``d`` share of entries hold, per density (one sort of the sample, vectorised), mean
@@ -49,16 +50,18 @@ Re-decision: every ``check_every`` calls the ranks exchange their window's measu
 statistics (one small all-gather of control data); every ``decide_every`` calls, or at once when the
 measured time per call of the active candidate differs from its prediction by more than ``deviation``
 (``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
-again and the candidates are scored again. Between checks a **watch** reacts to an abrupt change: at
+again and the candidates are scored again (the measured time is the median over the candidate's
+windows, this one included). Between checks a **watch** reacts to an abrupt change: at
 every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
 number); when it is off the time that candidate measured at its last check by more than ``watch``
-(default 3x, so the noise of a loaded machine does not trigger it), the check runs at once on that
-call alone - a link whose rate drops costs one slow step, not ``check_every`` (``watch=0`` turns
-it off). The reason names a link change when the probed bandwidth moved by more than 2x, else a
+(default 3x), the link is probed, and if its bandwidth moved by more than 2x the check runs at
+once on that call alone - a link whose rate drops costs one slow step, not ``check_every``; a call
+slowed by a busy core leaves the choice alone (``watch=0`` turns the watch off). The reason names
+a link change when the probed bandwidth moved by more than 2x, else a
 change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
 tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
-another scores ``margin`` lower).
+another scores ``margin`` lower, default 10 %).
 
 Switching never loses gradient: the old candidate's residual is added to the first input of the new
 one (:func:`_carry_residual`), so the conservation identity of :mod:`sparsync.reducers.base` holds
@@ -103,13 +106,13 @@ def _carry_residual(old: Reducer | None) -> torch.Tensor | None:
 class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     """``make_reducer("auto", comm, density, candidates=None, sparse="micro", densities=(0.01, 0.02,
     0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=1.5,
-    watch=3.0, margin=0.05, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
+    watch=3.0, margin=0.1, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
     candidate_options=None)``; see the module docstring. ``density`` is unused unless a candidate
     spelling omits its own."""
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
-                 check_every: int = 5, deviation: float = 1.5, watch: float = 3.0, margin: float = 0.05,
+                 check_every: int = 5, deviation: float = 1.5, watch: float = 3.0, margin: float = 0.1,
                  penalty: float = PENALTY,
                  probe: bool = True, probe_repeats: int = 2, link: dict | None = None, sample: int = 65536,
                  candidate_options: dict | None = None, value_dtype: str = "fp32", nonfinite: str = "error"):
@@ -170,7 +173,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             if "flat" not in self.link:
                 raise ValueError("auto: link= needs at least a 'flat' entry (alpha s, beta s/byte)")
         self.cpu: dict[str, float] = {}      # measured CPU seconds per element, per reducer name
-        self.measured: dict[str, float] = {}  # time per call of each candidate that ran since the last link change
+        self.measured: dict[str, list[float]] = {}  # window medians of each candidate since the last link change
         self.active: int | None = None       # index into candidates
         self._cand: Reducer | None = None
         self._carry: torch.Tensor | None = None
@@ -270,7 +273,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
                 "link": {k: list(v) for k, v in self.link.items()}, "cpu": dict(self.cpu),
-                "measured": dict(self.measured),
+                "measured": {k: list(v) for k, v in self.measured.items()},
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
                 "decisions": list(self.decisions),
@@ -284,7 +287,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
         self.cpu = dict(d.get("cpu") or {})
-        self.measured = dict(d.get("measured") or {})
+        self.measured = {k: (list(v) if isinstance(v, (list, tuple)) else [float(v)])
+                         for k, v in (d.get("measured") or {}).items()}
         self.window = [list(r) for r in d.get("window") or []]
         self.kept = dict(d.get("kept") or {})
         self.kept_ef = dict(d.get("kept_ef") or {})
