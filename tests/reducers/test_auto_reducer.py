@@ -388,3 +388,21 @@ def test_one_slow_window_does_not_re_decide():
         assert all(d == res[0] for d in res)
         assert bool(later) == redecides, res[0]
         assert all("CPU time changed" in d["reason"] for d in later)
+
+
+def test_auto_under_adam_keeps_to_exact_exchanges(tmp_path):
+    from sparsync.autotune.candidates import for_adaptive_optimizer
+    from sparsync.cli import main
+
+    assert for_adaptive_optimizer({})["candidates"] == ["dense", "dense:fp16"]
+    assert for_adaptive_optimizer({"values": "fp32"})["candidates"] == ["dense"]
+    assert for_adaptive_optimizer({"densities": "0.2"}) == {"densities": "0.2"}  # the user chose
+    # the trainer applies it under adamw: every decision is dense or dense fp16
+    argv = ["train", "--thread", "--workload", "digits-mlp", "--workload-option", "width=64", "--workers", "2",
+            "--reducer", "auto", "--optimizer", "adamw", "--lr", "0.001", "--steps", "12", "--eval-every", "6",
+            "--runs-dir", str(tmp_path), "--name", "a", "--no-progress", "--option", "check_every=2"]
+    assert main(argv) == 0
+    import json
+    choices = {json.loads(ln).get("auto_choice") for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()}
+    choices.discard(None)
+    assert choices and choices <= {"dense", "dense:fp16"}, choices

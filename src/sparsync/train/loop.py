@@ -135,8 +135,13 @@ def _wrap(cfg: TrainConfig, model: nn.Module, comm):
         from ..convergence import policy_from_options
 
         kw["policy"] = policy_from_options(policy_options(cfg))
+    options = dict(cfg.reducer_options)
+    if cfg.reducer == "auto" and cfg.optimizer in ("adam", "adamw"):
+        from ..autotune.candidates import for_adaptive_optimizer
+
+        options = for_adaptive_optimizer(options)  # sparse per-step candidates do not converge under Adam
     ddp = SparseDDP(model, comm, reducer=cfg.reducer, density=cfg.density, merge=cfg.merge,
-                    reducer_options=dict(cfg.reducer_options), **kw)
+                    reducer_options=options, **kw)
     fwd = ddp if callable(ddp) else model
     return fwd, ddp
 
