@@ -58,11 +58,15 @@ class Decisions:
         periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
         level = "inter" if cand.reducer == "hier" else "flat"
         beta_before = self.link.get(level, self.link["flat"])[1]
+        # a re-probe is compared with the last probe, like with like: the beta refitted from a call's
+        # wire time in between holds that call's waiting for slower ranks on shared cores, and the
+        # probe reading it back down would name a link change that did not happen
+        beta_probed = self.probed.get(level, beta_before)
         probed = (deviated or periodic) and self.probe and not self.declared
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
         self._refit(cand, wire, total, n, from_call=not probed)
-        moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
+        moved = self.link.get(level, self.link["flat"])[1] / max(beta_probed if probed else beta_before, 1e-30)
         if (probed and (moved > 2 or moved < 0.5)) or (periodic and not deviated):
             self.measured.clear()  # times measured on the old link (or long ago) no longer hold
         self.measured[cand.spec] = total

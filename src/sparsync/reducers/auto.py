@@ -153,6 +153,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
+        self.probed: dict[str, float] = {}   # beta per level at the last probe (a re-probe's reference)
         self.declared = link is not None  # a declared link is never re-probed
         if not probe and link is None:
             raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
@@ -258,7 +259,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
-                "link": {k: list(v) for k, v in self.link.items()}, "cpu": dict(self.cpu),
+                "link": {k: list(v) for k, v in self.link.items()}, "probed": dict(self.probed), "cpu": dict(self.cpu),
                 "measured": dict(self.measured),
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
@@ -272,6 +273,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         if d.get("candidates") is not None and d["candidates"] != specs:
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
+        self.probed = dict(d.get("probed") or {})
         self.cpu = dict(d.get("cpu") or {})
         self.measured = dict(d.get("measured") or {})
         self.window = [list(r) for r in d.get("window") or []]
