@@ -1,7 +1,8 @@
 """Flat reducer against `hier` (inner dense, outer the same reducer), same density, alternated call by
 call in one process group of an emulated sites cluster; per call the max over ranks, then the median.
 
-usage: python tools/hier_ab.py NETWORK:REDUCER[:STEPS] ...   e.g. 2x2@none/200mbit:micro (root: namespaces)
+usage: python tools/hier_ab.py [--numel N] NETWORK:REDUCER[:STEPS] ...   e.g. 2x2@none/200mbit:micro
+(root: namespaces); --numel: gradient size (default 1e7; the digits MLP has 4349962)
 """
 import statistics
 import sys
@@ -12,8 +13,8 @@ from sparsync.reducers.registry import make_reducer
 
 N, DENS, WARM = int(1e7), 0.01, 2
 
-def worker(comm, base, steps):
-    grads = bench_grads("heavy_tail", comm.rank, N, 0, 2, comm.device)
+def worker(comm, base, steps, n):
+    grads = bench_grads("heavy_tail", comm.rank, n, 0, 2, comm.device)
     reds = {base: make_reducer(base, comm, DENS), "hier": make_reducer("hier", comm, DENS, outer=base)}
     out = {k: [] for k in reds}
     for step in range(WARM + steps):
@@ -28,10 +29,13 @@ def worker(comm, base, steps):
                 out[name].append((dt, st.get("bytes_sent"), st.get("inter_bytes"), st.get("intra_bytes")))
     return out
 
-for spec in sys.argv[1:]:
+args = sys.argv[1:]
+if args[:1] == ["--numel"]:
+    N, args = int(float(args[1])), args[2:]
+for spec in args:
     net, base, *st = spec.split(":")
     steps = int(st[0]) if st else 10
-    res = run_emulated(worker, 4, base, steps, bandwidth=net, timeout=900)
+    res = run_emulated(worker, 4, base, steps, N, bandwidth=net, timeout=900)
     row = {}
     for name in (base, "hier"):
         per = [max(res[r][name][i][0] for r in range(4)) for i in range(steps)]

@@ -28,7 +28,7 @@ LEVELS = ("flat", "intra", "inter")
 
 class LinkModel:
     """The link part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads and writes the
-    reducer's ``link`` and ``cpu``, reads ``comm``, ``layout``, ``measured``, ``candidate_options``,
+    reducer's ``link``, ``probed`` and ``cpu``, reads ``comm``, ``layout``, ``measured``, ``candidate_options``,
     ``probe_repeats``, ``timings`` and ``_last_cost``, and gathers with ``_gather``)."""
 
     # ------------------------------------------------------------------ (a) probe
@@ -70,6 +70,7 @@ class LinkModel:
             self.link[level] = [alpha, beta]
         if P == 1:
             self.link["flat"] = [0.0, 0.0]
+        self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
         return time.perf_counter() - t0
 
 

@@ -51,7 +51,8 @@ statistics (one small all-gather of control data); every ``decide_every`` calls,
 measured time per call of the active candidate differs from its prediction by more than ``deviation``
 (``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
 again and the candidates are scored again (the measured time is the median over the candidate's
-windows, this one included). Between checks a **watch** reacts to an abrupt change: at
+windows; a deviation is two windows in a row off the same way, so one window slowed by a busy core
+is not one). Between checks a **watch** reacts to an abrupt change: at
 every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
 number); when it is off the time that candidate measured at its last check by more than ``watch``
 (default 3x), the link is probed, and if its bandwidth moved by more than 2x the check runs at
@@ -165,6 +166,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.watch = float(watch)
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
+        self.probed: dict[str, float] = {}   # beta per level at the last probe (a re-probe's reference)
         self.declared = link is not None  # a declared link is never re-probed
         if not probe and link is None:
             raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
@@ -272,8 +274,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
-                "link": {k: list(v) for k, v in self.link.items()}, "cpu": dict(self.cpu),
-                "measured": {k: list(v) for k, v in self.measured.items()},
+                "link": {k: list(v) for k, v in self.link.items()}, "probed": dict(self.probed),
+                "cpu": dict(self.cpu), "measured": {k: list(v) for k, v in self.measured.items()},
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
                 "decisions": list(self.decisions),
@@ -286,6 +288,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         if d.get("candidates") is not None and d["candidates"] != specs:
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
+        self.probed = dict(d.get("probed") or {})
         self.cpu = dict(d.get("cpu") or {})
         self.measured = {k: (list(v) if isinstance(v, (list, tuple)) else [float(v)])
                          for k, v in (d.get("measured") or {}).items()}
