@@ -409,3 +409,18 @@ def test_auto_under_adam_keeps_to_exact_exchanges(tmp_path):
     choices = {json.loads(ln).get("auto_choice") for ln in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()}
     choices.discard(None)
     assert choices and choices <= {"dense", "dense:fp16"}, choices
+
+
+def test_unmeasured_sparse_reducers_take_the_measured_ones_slow_down():
+    # a loaded machine measured on micro (3x its CPU prior) makes the unmeasured hier prior 3x too, so
+    # hier does not look cheap only because it has not run; dense's prior stays
+    from sparsync.autotune.link import CPU_PRIOR_S
+
+    comm = ThreadWorld(4).comms()[0]
+    r = make_reducer("auto", comm, candidates="dense,micro:0.02,topka:0.02", link=SLOW)
+    r.cpu = {"micro": 3 * CPU_PRIOR_S["micro"]}
+    assert r._machine_factor("topka") == pytest.approx(3.0) and r._machine_factor("dense") == 1.0
+    top = parse_candidate("topka:0.02")
+    assert r._predict(top, N) - r._wire(top, N) == pytest.approx(3 * 8e-9 * N)
+    r.cpu = {}
+    assert r._predict(top, N) - r._wire(top, N) == pytest.approx(8e-9 * N)

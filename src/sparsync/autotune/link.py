@@ -26,6 +26,10 @@ CPU_PRIOR_OTHER = 8e-9
 LEVELS = ("flat", "intra", "inter")
 
 
+def _prior(reducer: str) -> float:
+    return CPU_PRIOR_S.get(reducer, CPU_PRIOR_OTHER)
+
+
 class LinkModel:
     """The link part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads and writes the
     reducer's ``link``, ``probed`` and ``cpu``, reads ``comm``, ``layout``, ``measured``, ``candidate_options``,
@@ -129,8 +133,20 @@ class LinkModel:
         then, else the model (wire + CPU overhead)."""
         if self.measured.get(cand.spec):
             return statistics.median(self.measured[cand.spec])
-        per = self.cpu.get(cand.reducer, CPU_PRIOR_S.get(cand.reducer, CPU_PRIOR_OTHER))
+        per = self.cpu.get(cand.reducer)
+        if per is None:
+            per = _prior(cand.reducer) * self._machine_factor(cand.reducer)
         return self._wire(cand, n) + per * n
+
+    def _machine_factor(self, reducer: str) -> float:
+        """How much slower than its prior this machine runs the sparse reducers measured so far (the
+        median of measured / prior): an unmeasured sparse reducer's prior is scaled by it, so that a
+        loaded machine, measured on one reducer, does not make the others look cheap. 1 for dense
+        (its CPU is copies, not selection) and before any sparse reducer has run."""
+        if reducer == "dense":
+            return 1.0
+        ratios = [v / _prior(r) for r, v in self.cpu.items() if r != "dense"]
+        return statistics.median(ratios) if ratios else 1.0
 
 
 def mid(v) -> float:

@@ -21,7 +21,8 @@ What it decides from:
     (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
     reduce). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
     total minus the predicted wire becomes that reducer's CPU overhead per element (priors
-    :data:`~sparsync.autotune.link.CPU_PRIOR_S` until measured) - on shared cores a sparse call's "wire"
+    :data:`~sparsync.autotune.link.CPU_PRIOR_S` until measured, scaled by how much slower than
+    their priors the sparse reducers measured so far ran) - on shared cores a sparse call's "wire"
     is mostly waiting for the other ranks, which is CPU, not link. A candidate's predicted time is
     ``alpha * rounds + beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``)
     plus its overhead - or, for a candidate that ran since the last link change (the probed bandwidth
