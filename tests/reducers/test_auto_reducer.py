@@ -337,7 +337,7 @@ def test_sites_bring_hier_in_and_it_conserves():
 def test_watch_reacts_to_a_rate_drop_at_the_next_call():
     # the same drop at step 6 with checks only every 10 calls: the watch (previous call's time, maximum
     # over ranks, against the time dense measured at its last check) re-decides at step 7, the call
-    # after the first slow one; with watch=0 auto waits for its next check (step 10)
+    # after the first slow one; without it auto waits for its next check (step 8)
     def per_call(rank, step, cand):
         return (0.4, 0.41) if step >= 6 else (2e-5, 5e-5)
 
@@ -347,8 +347,8 @@ def test_watch_reacts_to_a_rate_drop_at_the_next_call():
         decisions = [d for _, d in res]
         assert all(d == decisions[0] for d in decisions)
         return [d["step"] for d in decisions[0] if d["switched"] and d["chosen"] == "micro:0.02"][0]
-    assert first_switch() == 7
-    assert first_switch(watch=0) == 8
+    assert first_switch(watch=3) == 7
+    assert first_switch() == 8  # off by default
 
 
 def test_watch_option_is_checked():

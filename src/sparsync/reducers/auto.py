@@ -53,12 +53,13 @@ measured time per call of the active candidate differs from its prediction by mo
 (``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
 again and the candidates are scored again (the measured time is the median over the candidate's
 windows; a deviation is two windows in a row off the same way, so one window slowed by a busy core
-is not one). Between checks a **watch** reacts to an abrupt change: at
+is not one). Between checks an optional **watch** (``watch=3``; off by default: its all-gather at every call
+cost 16-80 ms per call on a shaped emulated link, more than it saves) reacts to an abrupt change: at
 every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
 number); when it is off the time that candidate measured at its last check by more than ``watch``
-(default 3x), the link is probed, and if its bandwidth moved by more than 2x the check runs at
+(the factor), the link is probed, and if its bandwidth moved by more than 2x the check runs at
 once on that call alone - a link whose rate drops costs one slow step, not ``check_every``; a call
-slowed by a busy core leaves the choice alone (``watch=0`` turns the watch off). The reason names
+slowed by a busy core leaves the choice alone. The reason names
 a link change when the probed bandwidth moved by more than 2x, else a
 change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
@@ -108,13 +109,13 @@ def _carry_residual(old: Reducer | None) -> torch.Tensor | None:
 class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     """``make_reducer("auto", comm, density, candidates=None, sparse="micro", densities=(0.01, 0.02,
     0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=1.5,
-    watch=3.0, margin=0.1, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
+    watch=0.0, margin=0.1, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
     candidate_options=None)``; see the module docstring. ``density`` is unused unless a candidate
     spelling omits its own."""
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
-                 check_every: int = 5, deviation: float = 1.5, watch: float = 3.0, margin: float = 0.1,
+                 check_every: int = 5, deviation: float = 1.5, watch: float = 0.0, margin: float = 0.1,
                  penalty: float = PENALTY,
                  probe: bool = True, probe_repeats: int = 2, link: dict | None = None, sample: int = 65536,
                  candidate_options: dict | None = None, value_dtype: str = "fp32", nonfinite: str = "error"):
