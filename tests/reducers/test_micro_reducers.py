@@ -303,3 +303,24 @@ def test_more_ranks_than_entries():
 
     res = ss.run_local(fn, P)
     check_conserving_and_consistent(res, P, 6)
+
+
+def test_dense_warmup_end_restarts_the_threshold_window():
+    """Density 1 for 6 steps, then 0.2 (a dense warm-up ending, as ``dense_steps`` does): the first
+    sparse steps send about k, not ``cap_factor`` x k while the window climbs from the dense phase's
+    near-zero threshold (before the restart: 0.8 for 5 steps here, 25 in a gpt run)."""
+    n, P = 40_000, 4
+
+    def fn(comm):
+        r = ss.make_reducer("micro", comm, density=1.0)
+        fr = []
+        for t in range(10):
+            r.density = 1.0 if t < 6 else 0.2
+            r.reduce(grad(comm.rank, t, n, scale=1 / (1 + t % 3)))  # unit scale every step
+            fr.append(r.stats["selected"] / n)
+        return fr
+
+    fr = ss.run_local(fn, P)[0]
+    assert min(fr[:6]) >= 0.99, fr
+    assert all(abs(f / 0.2 - 1) <= 0.1 for f in fr[6:8]), fr  # the two data windows
+    assert max(fr[6:]) <= 0.3, fr

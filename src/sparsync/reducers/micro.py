@@ -62,6 +62,10 @@ from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
 from .registry import register
 
+#: a density change between steps by more than this factor restarts the threshold window
+#: (:meth:`MicroReducer._follow_target`)
+RESTART_FACTOR = 2.0
+
 
 def value_path(values: str, P: int) -> str:
     """``values="auto"`` -> ``"gather"`` for ``P <= 2`` (the same bytes as the owner path, one round
@@ -174,6 +178,18 @@ class MicroReducer(Reducer):
             o["rule"] = "adaptive"
         return o
 
+    def _follow_target(self, k: int) -> None:
+        """The controller follows a density changed between steps (warm-up schedules). A jump of
+        more than :data:`RESTART_FACTOR` (a dense warm-up ending: density 1 -> 0.2) restarts the
+        window as at the first step (``start="data"``: centred on sampled estimates at the new
+        target), where the trend-following window would need one step per factor ``max_spread``
+        from the dense phase's near-zero threshold, sending up to ``cap_factor`` x k meanwhile."""
+        c = self.controller
+        if (k > RESTART_FACTOR * c.target or RESTART_FACTOR * k < c.target) \
+                and self.rule_options["rule"] == "histogram":
+            self.window.start_blind(data=self.start == "data")
+        c.target = k
+
     def _counts_at(self, passed: list[int], step: int) -> list[int]:
         """Every rank's transmitted count from its count above the chosen threshold (cap, force)."""
         P, out = self.comm.world_size, []
@@ -275,7 +291,7 @@ class MicroReducer(Reducer):
     def _reduce(self, grad):
         if self._bounds is None or self.controller is None:
             self._setup()
-        self.controller.target = self.k  # follows a density changed between steps (warm-up schedules)
+        self._follow_target(self.k)
         comm, P, step = self.comm, self.comm.world_size, self.step
         part = owned_partition(comm.rank, step, P)
         start, end = self._bounds[part]
