@@ -38,6 +38,7 @@ def _inject(per_call, window=None):
 
 
 def _run(comm, n, steps, per_call, window=None, **opts):
+    opts.setdefault("warmup", 1)  # the decision steps these tests expect (the run's first call skipped)
     r = make_reducer("auto", comm, **opts)
     r.timings = _inject(per_call, window)
     rows = []
@@ -283,7 +284,7 @@ def test_probed_link_drop_is_named_and_changes_the_decision():
         return ev
 
     def run(comm):
-        r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=2, penalty=1.0)
+        r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=2, penalty=1.0, warmup=1)
         r.timings = hook
         for t in range(14):
             r.reduce(_grad(comm.rank, t, n))
@@ -372,6 +373,7 @@ def _scaled(factor):
 
 
 def _run_hook(comm, n, steps, hook, **opts):
+    opts.setdefault("warmup", 1)
     r = make_reducer("auto", comm, **opts)
     r.timings = hook
     for t in range(steps):
@@ -424,3 +426,17 @@ def test_unmeasured_sparse_reducers_take_the_measured_ones_slow_down():
     assert r._predict(top, N) - r._wire(top, N) == pytest.approx(3 * 8e-9 * N)
     r.cpu = {}
     assert r._predict(top, N) - r._wire(top, N) == pytest.approx(8e-9 * N)
+
+
+def test_the_first_calls_of_a_run_are_not_measurements():
+    # the run's first `warmup` calls are 20x slower (a machine warming up): with warmup=3 the first
+    # window holds none of them and auto keeps its start candidate; with warmup=1 it measures them
+    # and re-decides on them
+    def factor(step):
+        return 20.0 if step < 3 else 1.0
+    for warmup, redecides in ((3, False), (1, True)):
+        res = ss.run_local(_run_hook, 4, N, 12, _scaled(factor), backend="thread",
+                           candidates="dense,micro:0.02", link=SLOW, check_every=5, warmup=warmup)
+        early = [d for d in res[0] if 0 < d["step"] <= 5]
+        assert all(d == res[0] for d in res)
+        assert bool(early and "CPU time changed" in early[0]["reason"]) == redecides, res[0]

@@ -66,6 +66,9 @@ all-gathered values only (maximum over ranks of times, mean of the kept mass), w
 tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
 another scores ``margin`` lower, default 10 %).
 
+The first ``warmup`` calls of a run (allocations, first connections, a machine warming up) and the
+first call of each newly chosen candidate (its set-up) are not measurements.
+
 Switching never loses gradient: the old candidate's residual is added to the first input of the new
 one (:func:`_carry_residual`), so the conservation identity of :mod:`sparsync.reducers.base` holds
 across a switch. ``stats["auto"]`` holds the active candidate and, on a call that decided, the
@@ -109,20 +112,21 @@ def _carry_residual(old: Reducer | None) -> torch.Tensor | None:
 class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     """``make_reducer("auto", comm, density, candidates=None, sparse="micro", densities=(0.01, 0.02,
     0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=1.5,
-    watch=0.0, margin=0.1, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
+    watch=0.0, margin=0.1, warmup=3, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
     candidate_options=None)``; see the module docstring. ``density`` is unused unless a candidate
     spelling omits its own."""
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
                  check_every: int = 5, deviation: float = 1.5, watch: float = 0.0, margin: float = 0.1,
+                 warmup: int = 3,
                  penalty: float = PENALTY,
                  probe: bool = True, probe_repeats: int = 2, link: dict | None = None, sample: int = 65536,
                  candidate_options: dict | None = None, value_dtype: str = "fp32", nonfinite: str = "error"):
         if value_dtype != "fp32":
             raise ValueError("auto chooses the value precision itself (values=...); do not pass value_dtype")
         super().__init__(comm, density=density, nonfinite=nonfinite)
-        for k, v, lo in (("decide_every", decide_every, 1), ("check_every", check_every, 1),
+        for k, v, lo in (("decide_every", decide_every, 1), ("check_every", check_every, 1), ("warmup", warmup, 1),
                          ("probe_repeats", probe_repeats, 1), ("sample", sample, 16)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"auto: {k} must be an integer >= {lo}, got {v!r}")
@@ -166,6 +170,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.decide_every, self.check_every = decide_every, check_every
         self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
         self.watch = float(watch)
+        self.warmup = warmup
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
         self.probed: dict[str, float] = {}   # beta per level at the last probe (a re-probe's reference)
@@ -191,7 +196,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self._last_end: float | None = None
         self._sample_idx: torch.Tensor | None = None
         self._last_cost: dict = {}
-        self._fresh = False  # the active candidate has not run yet
+        self._fresh = 0  # calls of the active candidate still to run before its times are measurements
 
     # ------------------------------------------------------------------ residual = active's + carried
     @property
@@ -246,8 +251,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                                                      "intra_bytes_received", "inter_rounds", "inter_bytes_received")}
         if self.timings is not None:
             ev = self.timings(self, {"event": "call", "candidate": self.choice, **ev})
-        if self._fresh:  # a candidate's first call pays its set-up (checks, buffers): not a measurement
-            self._fresh = False
+        if self._fresh:  # a candidate's first call pays its set-up (checks, buffers), the run's first calls
+            self._fresh -= 1  # its warm-up (allocations, first connections): not measurements
         else:
             self.window.append([ev["wire_s"], ev["total_s"], -1.0 if gap is None else gap])
         self.since_decision += 1
@@ -271,7 +276,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self._cand = make_reducer(c.reducer, self.comm, c.density, nonfinite=self.nonfinite, **opts)
         self._cand.step = self.step
         self.active = i
-        self._fresh = True
+        self._fresh = 1 if self.decisions else self.warmup
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
@@ -309,7 +314,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             self._carry = keep
             if d.get("candidate") is not None:
                 self._cand.load_state_dict(d["candidate"])
-        self._fresh = bool(d.get("fresh", False))
+        self._fresh = int(d.get("fresh", 0))
         self._last_cost = dict(d.get("last_cost") or {})
         self._last_end = None
 
