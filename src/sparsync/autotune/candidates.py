@@ -86,7 +86,6 @@ def listed(v):
     return list(v) if isinstance(v, (list, tuple)) else [v]
 
 
-
 def conserving(c: Candidate) -> bool:
     cls = REDUCERS.lookup(c.outer or c.reducer)
     return bool(cls.conserving) and (VALUE_DTYPES[c.value_dtype] is None or cls.value_dtype_conserving)

@@ -54,13 +54,9 @@ class Decisions:
         self.window = []
         n = grad.numel()
         cand = self.candidates[self.active]
-        level = "inter" if cand.reducer == "hier" else "flat"
-        # a re-probe is compared with the last probe, like with like: the beta refitted from a call's
-        # wire time in between holds that call's waiting for slower ranks on shared cores, and the
-        # probe reading it back down would name a link change that did not happen
         just_probed = beta_before is not None
         if not just_probed:
-            beta_before = self.probed.get(level, self.link.get(level, self.link["flat"])[1])
+            beta_before = self._probed_beta(cand)
         can_probe = self.probe and not self.declared
         pred = self._predict(cand, n)
         # the candidate's time: the median of its windows since the last link change, so that one
@@ -76,12 +72,10 @@ class Decisions:
             history = history[-1:]  # the candidate's time changed: the windows before no longer hold
         periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
         probed = (deviated or periodic) and can_probe and not just_probed
-        if not can_probe:  # a declared link: only the calls tell whether it changed
-            beta_before = self.link.get(level, self.link["flat"])[1]
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
         self._refit(cand, wire, total, n, from_call=not (probed or just_probed))
-        moved = self.link.get(level, self.link["flat"])[1] / max(beta_before, 1e-30)
+        moved = self._beta(cand) / max(beta_before, 1e-30)
         # where the link can be probed, only a probe names a change (a call's wire time holds waiting)
         changed = (moved > 2 or moved < 0.5) and (probed or just_probed or not can_probe)
         if changed or (periodic and not deviated):
@@ -111,10 +105,9 @@ class Decisions:
         if not self.probe or self.declared:
             self.window = self.window[-1:]
             return self._check(grad, alone=True)
-        level = "inter" if cand.reducer == "hier" else "flat"
-        beta = self.probed.get(level, self.link.get(level, self.link["flat"])[1])  # the last probe's
+        beta = self._probed_beta(cand)
         self._probe(grad.numel())
-        moved = self.link.get(level, self.link["flat"])[1] / max(beta, 1e-30)
+        moved = self._beta(cand) / max(beta, 1e-30)
         if moved > 2 or moved < 0.5:
             self.window = self.window[-1:]
             return self._check(grad, alone=True, beta_before=beta)

@@ -28,7 +28,6 @@ def penalty_factor(kept: float, c: float = PENALTY) -> float:
     return 1.0 + c * (1.0 - kept) / kept
 
 
-
 class KeptMass:
     """The kept-mass part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads the
     reducer's ``densities``, ``sample``, ``residual``, ``active`` and ``candidates``)."""
@@ -70,4 +69,3 @@ class KeptMass:
         ds = sorted(self.kept)  # a candidate at another density: the nearest measured one below it
         below = [d for d in ds if d <= density]
         return self.kept[below[-1]] if below else (self.kept[ds[0]] if ds else 1.0)
-

@@ -30,6 +30,11 @@ def _prior(reducer: str) -> float:
     return CPU_PRIOR_S.get(reducer, CPU_PRIOR_OTHER)
 
 
+def _level(cand: Candidate) -> str:
+    """The level a candidate's payload crosses: between the sites for ``hier``, else the whole group."""
+    return "inter" if cand.reducer == "hier" else "flat"
+
+
 class LinkModel:
     """The link part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads and writes the
     reducer's ``link``, ``probed`` and ``cpu``, reads ``comm``, ``layout``, ``measured``, ``candidate_options``,
@@ -127,6 +132,17 @@ class LinkModel:
             alpha, beta = self.link.get(level, self.link["flat"])
             t += alpha * mid(pc["rounds"]) + beta * mid(pc["bytes_received"])
         return t
+
+    def _beta(self, cand: Candidate) -> float:
+        """Inverse bandwidth now of the level the candidate's payload crosses (between sites for hier)."""
+        return self.link.get(_level(cand), self.link["flat"])[1]
+
+    def _probed_beta(self, cand: Candidate) -> float:
+        """That level's inverse bandwidth at the last probe, what a re-probe is compared with: a beta
+        refitted since from a call's wire time holds the call's waiting for slower ranks on shared
+        cores, and reading it back down would name a link change that did not happen. A declared
+        link is never probed: its current beta."""
+        return self.probed.get(_level(cand), self._beta(cand))
 
     def _predict(self, cand: Candidate, n: int) -> float:
         """The candidate's time per call: what it measured since the last link change when it ran
