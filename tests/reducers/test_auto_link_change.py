@@ -53,3 +53,38 @@ def test_a_cpu_spike_after_a_wire_refit_is_not_called_a_link_change():
     assert all("the link did not" in d["reason"] and "link changed" not in d["reason"] for d in spike), spike
     # the re-probe read the link it always reads (the refit from the waiting wire had moved beta ~4x)
     assert abs(link["flat"][1] / BETA - 1) < 0.2, link
+
+
+def _drop_hook(r, ev):
+    """The link (every probe and every call) is 10 MB/s until step 12, 0.5 MB/s from then on."""
+    beta = BETA if r.step < 12 else 20 * BETA
+    if ev["event"] == "probe":
+        p = r.comm.world_size if ev["level"] == "flat" else 2
+        return {**ev, "time_s": _ring(2 * (p - 1) * 4 * ev["numel"] / p, 2 * (p - 1), beta)}
+    if ev["event"] == "call":
+        c = r._last_cost
+        w = _ring(c["bytes_received"], c["rounds"], beta)
+        return {**ev, "wire_s": w, "total_s": w + 1e-4}
+    if ev["event"] == "window":
+        return {**ev, "gap_s": 0.01}
+    return ev
+
+
+def _run_drop(comm):
+    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=3, penalty=1.0)
+    r.timings = _drop_hook
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(24):
+        r.reduce(torch.randn(N, generator=g))
+    return r.decisions
+
+
+def test_a_link_drop_is_decided_at_the_first_window_that_sees_it():
+    # the first window off its prediction is probed at once: the probe sees the drop, so auto decides
+    # at the first check after it (step 15, its window the calls 12-14), not one window later
+    res = ss.run_local(_run_drop, P, backend="thread")
+    assert all(d == res[0] for d in res)
+    assert [d for d in res[0] if d["step"] < 12][-1]["chosen"] == "dense", res[0]
+    after = [d for d in res[0] if d["step"] >= 12]
+    assert after[0]["step"] == 15 and "link changed" in after[0]["reason"], res[0]
+    assert after[0]["chosen"] == "micro:0.02" and after[0]["switched"], res[0]

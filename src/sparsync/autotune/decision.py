@@ -1,7 +1,8 @@
 """The decision of the ``auto`` reducer (:mod:`sparsync.reducers.auto`): every ``check_every`` calls
 the ranks share their window of measurements (one all-gather of control data: maximum of the times,
-mean of the kept mass, so every rank holds the same inputs); on a deviation from the prediction or
-every ``decide_every`` calls the link is probed again and every candidate scored
+mean of the kept mass, so every rank holds the same inputs); on a window off its prediction or every
+``decide_every`` calls the link is probed again; on a changed link, two windows off the same way or
+every ``decide_every`` calls every candidate is scored
 ``penalty(kept) * (gap + t)``, with hysteresis ``margin``. The decision record (reason, predicted
 and scored milliseconds per candidate, penalties, kept mass, link) goes to ``stats["auto"]``.
 """
@@ -70,8 +71,13 @@ class Decisions:
         deviated = alone or all(r > self.deviation for r in ratios) or all(r < 1 / self.deviation for r in ratios)
         if deviated:
             history = history[-1:]  # the candidate's time changed: the windows before no longer hold
-        periodic = self.since_decision >= self.decide_every or len(self.decisions) == 1
-        probed = (deviated or periodic) and can_probe and not just_probed
+        first = len(self.decisions) == 1  # the first window after the start: decide on measured times
+        periodic = self.since_decision >= self.decide_every or first
+        # one window off is probed at once (the probe sizes itself to the link: a few round trips on a
+        # slow one): a changed link is decided on now, a busy core waits for a second window. The
+        # start's probe is a few calls old at the first window: it stands unless the call is off.
+        off = ratio > self.deviation or ratio < 1 / self.deviation
+        probed = (deviated or off or (periodic and not first)) and can_probe and not just_probed
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
         self._refit(cand, wire, total, n, from_call=not (probed or just_probed))
@@ -88,7 +94,7 @@ class Decisions:
             return self._decide(n, gap, kept, f"measured {1e3 * total:.1f} ms per call vs predicted "
                                               f"{1e3 * pred:.1f} ms (x{ratio:.2f}): {why}")
         if periodic:
-            return self._decide(n, gap, kept, "periodic" if len(self.decisions) > 1 else "first measurements")
+            return self._decide(n, gap, kept, "first measurements" if first else "periodic")
         self._set_kept(kept)
         return None
 

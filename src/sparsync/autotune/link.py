@@ -17,17 +17,37 @@ from ..reducers.base import VALUE_DTYPES
 from ..reducers.registry import REDUCERS
 from .candidates import Candidate
 
-__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "LEVELS", "LinkModel", "mid"]
+__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "LinkModel", "cpu_key", "mid"]
 
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
 CPU_PRIOR_S = {"dense": 1e-9, "micro": 5e-9, "hier": 6e-9}
 CPU_PRIOR_OTHER = 8e-9
+#: extra CPU seconds per element of a dense exchange in half precision on a CPU process group: two
+#: casts, and gloo adds half-precision values one at a time in software (torch DDP with
+#: ``fp16_compress_hook`` runs slower than plain DDP on a 10 Gbit/s link here)
+HALF_SUM_PRIOR_S = 1e-8
 LEVELS = ("flat", "intra", "inter")
+#: probe sizes in values: the latency call, the first bandwidth call, its largest size, and how many
+#: times the small call's time the bandwidth call must take before it is large enough
+PROBE_SMALL, PROBE_START, PROBE_MAX, PROBE_RATIO = 256, 16384, 1 << 18, 4.0
 
 
-def _prior(reducer: str) -> float:
-    return CPU_PRIOR_S.get(reducer, CPU_PRIOR_OTHER)
+def _prior(cand: Candidate, device_type: str = "cpu") -> float:
+    """A candidate's CPU seconds per element until measured: its reducer's, plus the software
+    half-precision sum for a dense exchange in fp16/bf16 on CPU."""
+    base = CPU_PRIOR_S.get(cand.reducer, CPU_PRIOR_OTHER)
+    if cand.reducer == "dense" and cand.value_dtype != "fp32" and device_type == "cpu":
+        base += HALF_SUM_PRIOR_S
+    return base
+
+
+def cpu_key(cand: Candidate) -> str:
+    """What a measured CPU overhead is filed under: the reducer (with hier's outer one) and the value
+    precision - not the density (selection and error feedback cost per element alike at 1 and 5 %),
+    but half values, which cost casts everywhere and a software sum in a dense exchange, apart."""
+    parts = [cand.reducer] + ([cand.outer] if cand.outer else [])
+    return ":".join(parts + ([cand.value_dtype] if cand.value_dtype != "fp32" else []))
 
 
 def _level(cand: Candidate) -> str:
@@ -42,7 +62,14 @@ class LinkModel:
 
     # ------------------------------------------------------------------ (a) probe
     def _probe(self, n: int) -> float:
-        """Fit alpha, beta per level from timed ring all-reduces of two sizes (maximum over ranks)."""
+        """Fit alpha, beta per level from timed ring all-reduces of two sizes (maximum over ranks).
+
+        The small size (:data:`PROBE_SMALL` values) measures latency; the large one starts at
+        :data:`PROBE_START` values and grows 8x, up to ``min(n, PROBE_MAX)``, until its call takes
+        :data:`PROBE_RATIO` times the small one's (bandwidth, not latency, dominates it): on a slow
+        link the probe stays small and costs a few round trips, on a fast one it grows until the
+        bytes show. Each growth is decided from the maximum over ranks (one small all-gather), so
+        every rank sends the same sizes."""
         t0 = time.perf_counter()
         P = self.comm.world_size
         levels = [("flat", self.comm)]
@@ -50,25 +77,24 @@ class LinkModel:
             s = len(self.layout[0])
             levels.append(("intra", self.comm.split(self.layout)))
             levels.append(("inter", self.comm.split([[site[j] for site in self.layout] for j in range(s)])))
-        small, large = 256, max(4096, min(n, 1 << 18))
-        mine = []
+        small, cap = PROBE_SMALL, max(PROBE_START, min(n, PROBE_MAX))
+        mine, sizes = [], []
         for level, c in levels:
-            for size in (small, large):
-                buf = torch.ones(size, device=self.comm.device)
-                best = math.inf
-                for _ in range(self.probe_repeats):
-                    self.comm.barrier()
-                    a = time.perf_counter()
-                    with c.unrecorded():
-                        c.allreduce(buf, out=buf)
-                    best = min(best, time.perf_counter() - a)
-                if self.timings is not None:
-                    ev = {"event": "probe", "level": level, "numel": size, "time_s": best}
-                    best = self.timings(self, ev)["time_s"]
-                mine.append(best)
+            t_small = self._timed_allreduce(level, c, small)
+            large = PROBE_START
+            while True:
+                t_large = self._timed_allreduce(level, c, large)
+                if large >= cap:
+                    break
+                worst_small, worst_large = self._gather([t_small, t_large], [])[0]
+                if worst_large >= PROBE_RATIO * worst_small:
+                    break
+                large = min(cap, 8 * large)
+            mine += [t_small, t_large]
+            sizes.append(large)
         worst = self._gather(mine, [])[0]
         for i, (level, c) in enumerate(levels):
-            p = c.world_size
+            p, large = c.world_size, sizes[i]
             t_s, t_l = worst[2 * i], worst[2 * i + 1]
             rounds = max(1, 2 * (p - 1))
             b_s, b_l = (2 * (p - 1) * 4 * small / p, 2 * (p - 1) * 4 * large / p) if p > 1 else (0, 1)
@@ -82,6 +108,20 @@ class LinkModel:
         self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
         return time.perf_counter() - t0
 
+    def _timed_allreduce(self, level: str, c, size: int) -> float:
+        """The fastest of ``probe_repeats`` all-reduces of ``size`` values on ``c`` (each after a
+        barrier, off the ledger)."""
+        buf = torch.ones(size, device=self.comm.device)
+        best = math.inf
+        for _ in range(self.probe_repeats):
+            self.comm.barrier()
+            a = time.perf_counter()
+            with c.unrecorded():
+                c.allreduce(buf, out=buf)
+            best = min(best, time.perf_counter() - a)
+        if self.timings is not None:
+            best = self.timings(self, {"event": "probe", "level": level, "numel": size, "time_s": best})["time_s"]
+        return best
 
     def _refit(self, cand: Candidate, wire: float, total: float, n: int, from_call: bool = True) -> None:
         """The measured call -> the estimates. ``from_call``: a bandwidth-bound call (its predicted
@@ -106,7 +146,7 @@ class LinkModel:
                 scale = wire / (pa + pb)
                 alpha, beta = alpha * scale, beta * scale
             self.link[level] = [alpha, beta]
-        self.cpu[cand.reducer] = max(0.0, total - self._wire(cand, n)) / max(1, n)
+        self.cpu[cpu_key(cand)] = max(0.0, total - self._wire(cand, n)) / max(1, n)
 
     # ------------------------------------------------------------------ the model and the decision
     def _cost(self, cand: Candidate, n: int) -> dict:
@@ -149,20 +189,21 @@ class LinkModel:
         then, else the model (wire + CPU overhead)."""
         if self.measured.get(cand.spec):
             return statistics.median(self.measured[cand.spec])
-        per = self.cpu.get(cand.reducer)
+        per = self.cpu.get(cpu_key(cand))
         if per is None:
-            per = _prior(cand.reducer) * self._machine_factor(cand.reducer)
+            per = _prior(cand, self.comm.device.type) * self._machine_factor(cand)
         return self._wire(cand, n) + per * n
 
-    def _machine_factor(self, reducer: str) -> float:
+    def _machine_factor(self, cand: Candidate) -> float:
         """How much slower than its prior this machine runs the sparse reducers measured so far (the
         median of measured / prior): an unmeasured sparse reducer's prior is scaled by it, so that a
         loaded machine, measured on one reducer, does not make the others look cheap. 1 for dense
         (its CPU is copies, not selection) and before any sparse reducer has run."""
-        if reducer == "dense":
+        if cand.reducer == "dense":
             return 1.0
-        ratios = [v / _prior(r) for r, v in self.cpu.items() if r != "dense"]
-        return statistics.median(ratios) if ratios else 1.0
+        ratios = {cpu_key(c): self.cpu[cpu_key(c)] / _prior(c, self.comm.device.type) for c in self.candidates
+                  if c.reducer != "dense" and cpu_key(c) in self.cpu}
+        return statistics.median(ratios.values()) if ratios else 1.0
 
 
 def mid(v) -> float:

@@ -12,9 +12,10 @@ fp16 values, and - when the ranks sit in several sites of several ranks (:func:`
 
 What it decides from:
 
-(a) **a probe** at the first call and again at every re-decision: ``probe_repeats`` timed
-    all-reduces of two sizes per level (the whole group; with sites, inside a site and across sites),
-    fitted to ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size``
+(a) **a probe** at the first call and again when a window's time is off its prediction or at a
+    periodic decision: ``probe_repeats`` timed all-reduces of two sizes per level (the whole group;
+    with sites, inside a site and across sites) - 256 values for the latency, and a size that grows
+    from 16 Ki values until the bytes dominate its time (:meth:`LinkModel._probe`) -, fitted to ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size``
     bytes): latency alpha and inverse bandwidth beta per level (Hockney's model, as in the documents'
     cost formulas); the maximum over ranks;
 (b) **per-call times** of the active candidate: its wall time (``total_s``), its wire time
@@ -48,12 +49,14 @@ steps, micro 1 / 2 / 5 % 49.5 / 48 / 40 at kept mass 0.185 / 0.255 / 0.406: c = 
 Values in fp16 are charged nothing.
 
 Re-decision: every ``check_every`` calls the ranks exchange their window's measurements and
-statistics (one small all-gather of control data); every ``decide_every`` calls, or at once when the
-measured time per call of the active candidate differs from its prediction by more than ``deviation``
-(``(measured + 5 ms) / (predicted + 5 ms)`` outside ``[1/deviation, deviation]``), the link is probed
-again and the candidates are scored again (the measured time is the median over the candidate's
-windows; a deviation is two windows in a row off the same way, so one window slowed by a busy core
-is not one). Between checks an optional **watch** (``watch=3``; off by default: its all-gather at every call
+statistics (one small all-gather of control data). When the measured time per call of the active
+candidate differs from its prediction by more than ``deviation`` (``(measured + 5 ms) / (predicted +
+5 ms)`` outside ``[1/deviation, deviation]``) the link is probed at once (the probe sizes itself to
+the link, so on a slow one it costs a few round trips): a bandwidth moved by more than 2x is a
+decision now, within ``check_every`` calls of the change; else the candidates are scored again when
+a second window in a row is off the same way (one window slowed by a busy core is not a change of
+CPU time), and every ``decide_every`` calls (the measured time is the median over the candidate's
+windows). Between checks an optional **watch** (``watch=3``; off by default: its all-gather at every call
 cost 16-80 ms per call on a shaped emulated link, more than it saves) reacts to an abrupt change: at
 every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
 number); when it is off the time that candidate measured at its last check by more than ``watch``
@@ -90,7 +93,7 @@ from ..autotune.kept import PENALTY, KeptMass, penalty_factor
 from ..autotune.link import LinkModel
 from ..sites import site_layout
 from .base import VALUE_DTYPES, Reducer
-from .registry import make_reducer, register
+from .registry import REDUCERS, make_reducer, register
 
 __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor", "PENALTY"]
 
@@ -167,6 +170,9 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                              "environment, see sparsync.site_layout)")
         self.candidate_options = dict(candidate_options or {})
         self.conserving = all(conserving(c) for c in self.candidates)
+        # an instance *may* return an IndexedSum (when its active candidate does): SparseDDP then
+        # writes only the non-zeros, as with that candidate alone; the class declares False (not always)
+        self.indexed_output = any(REDUCERS.lookup(c.reducer).indexed_output for c in self.candidates)
         self.decide_every, self.check_every = decide_every, check_every
         self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
         self.watch = float(watch)
@@ -244,8 +250,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         x = grad if self._carry is None else grad + self._carry
         self._carry = None
         cand = self._cand
-        out = cand.reduce(x)
-        st = cand.stats
+        out = cand.reduce(x, indexed=True)  # an IndexedSum where the candidate makes one (base.reduce
+        st = cand.stats                     # densifies it for a caller that did not ask for one)
         ev = {"wire_s": float(st.get("comm_s", 0.0)), "total_s": float(st.get("total_s", 0.0))}
         self._last_cost = {k: st.get(k, 0) for k in ("rounds", "bytes_received", "intra_rounds",
                                                      "intra_bytes_received", "inter_rounds", "inter_bytes_received")}
