@@ -16,8 +16,9 @@ What it decides from:
     periodic decision: ``probe_repeats`` timed all-reduces of two sizes per level (the whole group;
     with sites, inside a site and across sites) - 256 values for the latency, and a size that grows
     from 16 Ki values until the bytes dominate its time (:meth:`LinkModel._probe`) -, fitted to
-    ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size`` bytes): latency alpha and inverse bandwidth beta per level (Hockney's model, as in the documents'
-    cost formulas); the maximum over ranks;
+    ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size`` bytes):
+    latency alpha and inverse bandwidth beta per level (Hockney's model, as in the documents' cost
+    formulas); the maximum over ranks;
 (b) **per-call times** of the active candidate: its wall time (``total_s``), its wire time
     (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
     reduce). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
