@@ -44,13 +44,14 @@ class KeptMass:
         res = self.residual
         if res is not None:
             x = x + res.index_select(0, idx).double()
-        sq = (x * x).sort(descending=True).values
+        sq = x * x
         total = float(sq.sum())
         if not total > 0 or not math.isfinite(total):
             return [1.0 for _ in self.densities]
-        cs = sq.cumsum(0)
         m = sq.numel()
-        return [float(cs[min(m, max(1, math.ceil(d * m))) - 1]) / total for d in self.densities]
+        ks = [min(m, max(1, math.ceil(d * m))) for d in self.densities]
+        cs = sq.topk(max(ks), sorted=True).values.cumsum(0)  # only the largest share is ordered, not the sample
+        return [float(cs[k - 1]) / total for k in ks]
 
     def _set_kept(self, kept: list[float]) -> None:
         """The kept mass the next decision uses. Under error feedback the accumulated vector spreads
