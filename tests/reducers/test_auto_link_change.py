@@ -15,14 +15,19 @@ def _ring(nbytes, rounds, beta=BETA):
     return 1e-4 * rounds + beta * nbytes
 
 
+def _probe(r, ev, beta=BETA):
+    """A probe's all-reduce of ``ev["numel"]`` values on a ring with inverse bandwidth ``beta``."""
+    p = r.comm.world_size if ev["level"] == "flat" else 2
+    return {**ev, "time_s": _ring(2 * (p - 1) * 4 * ev["numel"] / p, 2 * (p - 1), beta)}
+
+
 def _hook(r, ev):
     """Probes read the same link all run long. Calls: until step 4 their wire time is the model's;
     from step 4 they wait 4x that on the wire at the same total (skew between ranks: 50 ms of CPU
     either way); from step 8 a CPU spike doubles the total."""
     step = r.step
     if ev["event"] == "probe":
-        p = r.comm.world_size if ev["level"] == "flat" else 2
-        return {**ev, "time_s": _ring(2 * (p - 1) * 4 * ev["numel"] / p, 2 * (p - 1))}
+        return _probe(r, ev)
     if ev["event"] == "call":
         c = r._last_cost
         model = _ring(c["bytes_received"], c["rounds"])
@@ -34,11 +39,11 @@ def _hook(r, ev):
     return ev
 
 
-def _run(comm):
-    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=2, penalty=1.0)
-    r.timings = _hook
+def _run(comm, hook=_hook, steps=STEPS, check_every=2):
+    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=check_every, penalty=1.0)
+    r.timings = hook
     g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(STEPS):
+    for _ in range(steps):
         r.reduce(torch.randn(N, generator=g))
     return r.decisions, dict(r.link)
 
@@ -59,8 +64,7 @@ def _drop_hook(r, ev):
     """The link (every probe and every call) is 10 MB/s until step 12, 0.5 MB/s from then on."""
     beta = BETA if r.step < 12 else 20 * BETA
     if ev["event"] == "probe":
-        p = r.comm.world_size if ev["level"] == "flat" else 2
-        return {**ev, "time_s": _ring(2 * (p - 1) * 4 * ev["numel"] / p, 2 * (p - 1), beta)}
+        return _probe(r, ev, beta)
     if ev["event"] == "call":
         c = r._last_cost
         w = _ring(c["bytes_received"], c["rounds"], beta)
@@ -70,19 +74,10 @@ def _drop_hook(r, ev):
     return ev
 
 
-def _run_drop(comm):
-    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=3, penalty=1.0)
-    r.timings = _drop_hook
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(24):
-        r.reduce(torch.randn(N, generator=g))
-    return r.decisions
-
-
 def test_a_link_drop_is_decided_at_the_first_window_that_sees_it():
     # the first window off its prediction is probed at once: the probe sees the drop, so auto decides
     # at the first check after it (step 15, its window the calls 12-14), not one window later
-    res = ss.run_local(_run_drop, P, backend="thread")
+    res = [d for d, _ in ss.run_local(_run, P, _drop_hook, 24, 3, backend="thread")]
     assert all(d == res[0] for d in res)
     assert [d for d in res[0] if d["step"] < 12][-1]["chosen"] == "dense", res[0]
     after = [d for d in res[0] if d["step"] >= 12]
