@@ -1,6 +1,7 @@
-"""SparseDDP with the dense reducer reducing the ``.grad`` buffer itself (``reducer_options={"inplace": True}``):
-the write-back then divides the reduced buffer by P in place, and ``.grad`` must be the average over ranks -
-the same bits as the copying path, equal to a dense reference and to torch DDP."""
+"""SparseDDP with the dense reducer reducing the ``.grad`` buffer itself (the engine donates its own buffers,
+``reduce(..., donate=True)``; ``reducer_options={"inplace": True}`` asks for it on every call): the write-back
+then divides the reduced buffer by P in place, and ``.grad`` must be the average over ranks - the same bits
+as the copying path, equal to a dense reference and to torch DDP."""
 
 import copy
 
@@ -73,6 +74,33 @@ def test_inplace_dense_grad_is_the_average(merge, set_to_none, as_view):
     res = ss.run_local(_inplace_vs_copy, 3, merge, set_to_none, as_view, backend="thread", timeout=60)
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(res[0], r))
+
+
+def _donated_vs_copying(comm):
+    torch.manual_seed(3)  # gloo ranks are processes: each its own generator, the same model
+    m = nn.Sequential(nn.Linear(1024, 1100), nn.Tanh(), nn.Linear(1100, 4))  # > 1 Mi values: in pieces
+    ref = copy.deepcopy(m)
+    ddp = ss.SparseDDP(m, comm, reducer="dense")
+    copying = ss.make_reducer("dense", comm, nonfinite="ignore")
+    for step in range(2):
+        g = torch.Generator().manual_seed(10 * step + comm.rank)
+        x = torch.randn(8, 1024, generator=g)
+        ref.zero_grad(set_to_none=True)
+        ref(x).square().mean().backward()
+        want = torch.div(copying.reduce(_grads(ref)), comm.world_size)  # copy, then all-reduce the copy
+        m.zero_grad(set_to_none=True)
+        ddp(x).square().mean().backward()
+        assert torch.equal(_grads(m), want), f"step {step}: the donated buffer's average differs"
+    donated_pool = ddp.reducers[0].__dict__.get("_output_pool")
+    ddp.close()
+    return not donated_pool, bool(copying.__dict__.get("_output_pool"))
+
+
+def test_sparseddp_donates_its_buffer_to_dense_same_bits_no_copy():
+    # a real gloo group, where the copying path all-reduces in pieces posted as they are copied: the
+    # donated buffer is reduced in the same pieces - the same bits - and no output buffer is ever made
+    for never_copied, reference_copied in ss.run_local(_donated_vs_copying, 2, backend="gloo", timeout=120):
+        assert never_copied and reference_copied
 
 
 def _against_torch_ddp(comm):

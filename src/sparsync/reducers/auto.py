@@ -248,11 +248,13 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             decision = self._check(grad)
         elif self.watch and self.window and self.candidates[self.active].spec in self.measured:
             decision = self._watch(grad)
-        x = grad if self._carry is None else grad + self._carry
+        x = grad if self._carry is None else grad + self._carry  # (a sum of its own: auto's to give)
         self._carry = None
         cand = self._cand
-        out = cand.reduce(x, indexed=True)  # an IndexedSum where the candidate makes one (base.reduce
-        st = cand.stats                     # densifies it for a caller that did not ask for one)
+        # an IndexedSum where the candidate makes one (base.reduce densifies it for a caller that did
+        # not ask for one); the input passed on as donated when the caller donated it, or it is auto's
+        out = cand.reduce(x, indexed=True, donate=self.donated or x is not grad)
+        st = cand.stats
         ev = {"wire_s": float(st.get("comm_s", 0.0)), "total_s": float(st.get("total_s", 0.0))}
         self._last_cost = {k: st.get(k, 0) for k in ("rounds", "bytes_received", "intra_rounds",
                                                      "intra_bytes_received", "inter_rounds", "inter_bytes_received")}

@@ -173,16 +173,26 @@ class Reducer:
         """SUM over ranks of a torch sparse COO gradient (reducers with ``sparse_input = True``)."""
         raise TypeError(f"reducer {self.name!r} takes no sparse gradients (sparse_input = False)")
 
-    def reduce(self, grad: torch.Tensor, *, indexed: bool = False) -> torch.Tensor | IndexedSum:
+    #: True during a :meth:`reduce` whose caller donated its input (``donate=True``)
+    donated = False
+
+    def reduce(self, grad: torch.Tensor, *, indexed: bool = False, donate: bool = False) -> torch.Tensor | IndexedSum:
         """This step's sum over ranks (see the module docstring). ``indexed=True``: a reducer whose
         ``indexed_output`` is True returns it as an :class:`IndexedSum` (its non-zeros only), so the
         caller can write it without a pass over the dense vector (``SparseDDP`` does); every other
-        reducer returns the dense tensor either way."""
+        reducer returns the dense tensor either way. ``donate=True``: the caller hands ``grad`` over
+        (it reads it no more and lets it be overwritten), so a reducer that would first copy it may
+        reduce it in place and return it - ``dense`` does, the same bits without the copy pass
+        (``SparseDDP`` donates its own gradient buffers)."""
         grad, snap, t0 = self._begin(grad)
-        with self.comm.phase(self.name):
-            out = self._reduce(grad)
-            if isinstance(out, IndexedSum) and not indexed:
-                out = self._densify(out)
+        self.donated = bool(donate)
+        try:
+            with self.comm.phase(self.name):
+                out = self._reduce(grad)
+                if isinstance(out, IndexedSum) and not indexed:
+                    out = self._densify(out)
+        finally:
+            self.donated = False
         self._sync()
         self._account(self.comm.ledger.since(snap), t0)
         return out

@@ -12,8 +12,9 @@ the copy runs in pieces, each piece's all-reduce posted as soon as it is copied
 (:meth:`~sparsync.reducers.base.Reducer.sum_checked`, streaming stores) that must end before
 anything is sent, and the buffer is then reduced in place, in the same pieces
 (``Comm.allreduce(..., pieces=True)``); with ``nonfinite="ignore"`` the piecewise copy.
-Option ``inplace=True`` removes the copy for a caller that donates its gradient buffer (like torch
-DDP's buckets): the gradient tensor itself is reduced and returned.
+A caller that donates its gradient buffer (``reduce(grad, donate=True)``, as ``SparseDDP`` does
+with its own buffers; or option ``inplace=True`` for every call) has no copy at all: the gradient
+tensor itself is reduced, in the same pieces, and returned - the same bits as the copying path.
 
 ``value_dtype="fp16"`` / ``"bf16"``: the values travel and are summed in half precision (half the
 bytes), then returned in the gradient's dtype - what torch's ``fp16_compress_hook`` does (no
@@ -55,9 +56,9 @@ class DenseReducer(Reducer):
 
     def _exchange(self, grad, allreduce):
         """The step, with ``allreduce`` = ``Comm.allreduce`` (the sum) or ``Comm.allreduce_async`` (its future)."""
-        if self.inplace:  # the caller donates its gradient buffer: no copy at all
+        if self.inplace or self.donated:  # the caller gave its gradient buffer up: no copy at all
             self.check_finite(grad)
-            return allreduce(grad, out=grad)
+            return allreduce(grad, out=grad, pieces=True)
         out = self.output_buffer(grad.numel(), grad.dtype, grad.device)
         if self.nonfinite == "ignore":  # nothing to check: the copy runs in pieces behind the wire
             return allreduce(grad, out=out)

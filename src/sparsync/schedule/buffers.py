@@ -89,6 +89,12 @@ class GradBuffers:
                 copied += view.numel() * view.element_size()
         return flat, copied
 
+    def owns(self, g: int, x: torch.Tensor) -> bool:
+        """Whether ``x`` is group ``g``'s ``.grad`` buffer or its input-only buffer - the engine's own,
+        which the write-back overwrites, so a reducer may reduce it in place (not a policy's state)."""
+        bufs = [self.flat[g]] + ([self.inputs[g][0]] if self.inputs[g] is not None else [])
+        return any(b is not None and x.data_ptr() == b.data_ptr() and x.numel() == b.numel() for b in bufs)
+
     def _input_buffer(self, g: int) -> tuple:
         """(the group's input-only buffer, its per-parameter views), allocated on first use."""
         if self.inputs[g] is None:

@@ -328,7 +328,10 @@ class OverlapEngine:
             out = r.reduce_sparse(x)
             span.mark("reduce")
         else:
-            out = r.reduce(x, indexed=self.buffers.as_view)
+            # the engine's own buffer is donated: it is overwritten by the write-back anyway (not with
+            # delay=1, whose next input is gathered into it before this result is written back)
+            donate = not self.delay and self.buffers.owns(g, x)
+            out = r.reduce(x, indexed=self.buffers.as_view, donate=donate)
             span.mark("reduce")
             if self.policy is not None:
                 self.policy.after_reduce(g, r)
