@@ -199,7 +199,7 @@ class DDPHook:
             if self._saved_parts(idx, layout) is None:
                 buf = bucket.buffer()
                 r = self._reducer(idx, buf.numel(), layout)
-                started = r.start(_flat(buf))
+                started = r.start(_flat(buf), donate=True)  # the bucket is the hook's to overwrite
                 self._finish_bucket(bucket)
 
                 def stats(f):
@@ -245,7 +245,7 @@ class DDPHook:
             out = self._sum_saved_parts(buf, layout, parts)
         else:
             r = self._reducer(idx, buf.numel(), layout)
-            out = r.reduce(_flat(buf))
+            out = r.reduce(_flat(buf), donate=True)  # the bucket: overwritten by the write-back anyway
             self.last_stats[idx] = dict(r.stats)
         self._finish_bucket(bucket)
         return out

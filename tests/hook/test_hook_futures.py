@@ -60,6 +60,8 @@ def _train(comm, mode, steps, big, options):
         out["ledger"] = {k: v.as_dict() for k, v in hook.comm.ledger.phases.items()}
         out["bytes"] = {i: st["bytes_sent"] for i, st in hook.last_stats.items()}
         out["worker"] = hook._worker is not None
+        # the bucket is donated: dense reduces it in place, never into an output buffer of its own
+        out["copied"] = any(r.__dict__.get("_output_pool") for r in hook.reducers.values())
         out["state"] = hook.state_dict()
         hook.close()
     return out
@@ -78,6 +80,7 @@ def test_futures_path_is_bitwise_the_thread_and_sync_paths(P, big, options):
     for r, got in enumerate(res):
         fut, thr, syn, plain = got["futures"], got["thread"], got["sync"], got["plain"]
         assert not fut["worker"] and thr["worker"], "the staged path started a thread, or the thread path did not"
+        assert not (fut["copied"] or thr["copied"] or syn["copied"]), "a donated bucket was copied"
         for s in range(steps):
             assert torch.equal(fut["grads"][s], syn["grads"][s]), f"rank {r} step {s}: futures != synchronous"
             assert torch.equal(fut["grads"][s], thr["grads"][s]), f"rank {r} step {s}: futures != thread path"

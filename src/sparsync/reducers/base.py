@@ -202,15 +202,20 @@ class Reducer:
     #: could be issued in another order on another rank, and gloo pairs collectives by issue order.
     staged = False
 
-    def start(self, grad: torch.Tensor) -> torch.futures.Future:
+    def start(self, grad: torch.Tensor, *, donate: bool = False) -> torch.futures.Future:
         """:meth:`reduce` with its one collective posted, not waited for (``staged`` reducers): local
         work and the ledger now; a ``torch.futures.Future`` of :meth:`reduce`'s result, bit for bit (a
-        failed collective: its exception); ``stats`` and ``step`` when it completes. One call in flight."""
+        failed collective: its exception); ``stats`` and ``step`` when it completes. One call in flight.
+        ``donate``: as for :meth:`reduce` (``grad`` is then reduced in place and is the result)."""
         if not self.staged:
             raise TypeError(f"reducer {self.name!r} is not staged (several dependent collectives): call reduce()")
         grad, snap, t0 = self._begin(grad)
-        with self.comm.phase(self.name):
-            fut = self._start(grad)
+        self.donated = bool(donate)
+        try:
+            with self.comm.phase(self.name):
+                fut = self._start(grad)
+        finally:
+            self.donated = False
         cost = self.comm.ledger.since(snap)
         posted = time.perf_counter()
 
