@@ -33,7 +33,10 @@ class KeptMass:
     reducer's ``densities``, ``sample``, ``residual``, ``active`` and ``candidates``)."""
 
     def _kept_local(self, grad: torch.Tensor) -> list[float]:
-        """This rank's kept mass per density on a fixed sample of ``grad + residual``."""
+        """This rank's kept mass per density on a fixed sample of ``grad + residual`` (all 1 without a
+        sparse candidate: no decision reads it, so nothing is sampled)."""
+        if not any(c.sparse for c in self.candidates):
+            return [1.0 for _ in self.densities]
         n = grad.numel()
         if self._sample_idx is None or self._sample_idx.numel() and int(self._sample_idx[-1]) >= n:
             g = torch.Generator().manual_seed(12345)  # the same positions on every rank and every call

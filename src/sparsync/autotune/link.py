@@ -30,7 +30,7 @@ HALF_SUM_PRIOR_S = 1e-8
 LEVELS = ("flat", "intra", "inter")
 #: probe sizes in values: the latency call, the first bandwidth call, its largest size, and how many
 #: times the small call's time the bandwidth call must take before it is large enough
-PROBE_SMALL, PROBE_START, PROBE_MAX, PROBE_RATIO = 256, 16384, 1 << 18, 4.0
+PROBE_SMALL, PROBE_START, PROBE_MAX, PROBE_RATIO = 256, 16384, 1 << 21, 4.0
 
 
 def _prior(cand: Candidate, device_type: str = "cpu") -> float:
