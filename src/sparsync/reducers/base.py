@@ -173,7 +173,7 @@ class Reducer:
         """SUM over ranks of a torch sparse COO gradient (reducers with ``sparse_input = True``)."""
         raise TypeError(f"reducer {self.name!r} takes no sparse gradients (sparse_input = False)")
 
-    #: True during a :meth:`reduce` whose caller donated its input (``donate=True``)
+    #: this call's ``donate`` (set by :meth:`_begin`; read by ``_reduce`` / ``_start``)
     donated = False
 
     def reduce(self, grad: torch.Tensor, *, indexed: bool = False, donate: bool = False) -> torch.Tensor | IndexedSum:
@@ -184,15 +184,11 @@ class Reducer:
         (it reads it no more and lets it be overwritten), so a reducer that would first copy it may
         reduce it in place and return it - ``dense`` does, the same bits without the copy pass
         (``SparseDDP`` donates its own gradient buffers)."""
-        grad, snap, t0 = self._begin(grad)
-        self.donated = bool(donate)
-        try:
-            with self.comm.phase(self.name):
-                out = self._reduce(grad)
-                if isinstance(out, IndexedSum) and not indexed:
-                    out = self._densify(out)
-        finally:
-            self.donated = False
+        grad, snap, t0 = self._begin(grad, donate)
+        with self.comm.phase(self.name):
+            out = self._reduce(grad)
+            if isinstance(out, IndexedSum) and not indexed:
+                out = self._densify(out)
         self._sync()
         self._account(self.comm.ledger.since(snap), t0)
         return out
@@ -209,13 +205,9 @@ class Reducer:
         ``donate``: as for :meth:`reduce` (``grad`` is then reduced in place and is the result)."""
         if not self.staged:
             raise TypeError(f"reducer {self.name!r} is not staged (several dependent collectives): call reduce()")
-        grad, snap, t0 = self._begin(grad)
-        self.donated = bool(donate)
-        try:
-            with self.comm.phase(self.name):
-                fut = self._start(grad)
-        finally:
-            self.donated = False
+        grad, snap, t0 = self._begin(grad, donate)
+        with self.comm.phase(self.name):
+            fut = self._start(grad)
         cost = self.comm.ledger.since(snap)
         posted = time.perf_counter()
 
@@ -228,8 +220,9 @@ class Reducer:
 
         return fut.then(done)
 
-    def _begin(self, grad: torch.Tensor):
+    def _begin(self, grad: torch.Tensor, donate: bool = False):
         """The opening of :meth:`reduce` / :meth:`start`: ``(grad checked, ledger snapshot, start time)``."""
+        self.donated = bool(donate)
         grad = self._validate(grad)
         if not self.checks_input:
             self.check_finite(grad)
