@@ -270,3 +270,19 @@ def test_memory_state_round_trip_and_reducer_state_keys():
     keys, same, distinct = ss.run_local(fn, 2, backend="thread")[0]
     assert keys == ["density", "extra", "name", "numel", "rank", "residual", "step", "world_size"]
     assert same and distinct
+
+
+def test_round_to_wire_saturates_like_clamping_first():
+    # fp16 wire values: cast, then the cast's infinities back to +-65504 in place - the bits of clamping
+    # to +-65504 first (values that round to 65504, that overflow, +-inf), NaN kept, bf16 plain
+    from sparsync.reducers.memory import round_to_wire
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(0)) * 3e4
+    x[:11] = torch.tensor([65504.0, 65505.0, 65519.9, 65520.0, 1e9, -1e9, float("inf"), float("-inf"),
+                           float("nan"), -65519.0, 1e-8])
+    for dt in (torch.float16, torch.bfloat16):
+        want = (x.clamp(-65504.0, 65504.0) if dt == torch.float16 else x).to(dt)
+        got = round_to_wire(x, dt)
+        assert got.dtype == dt and torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got[~got.isnan()], want[~want.isnan()])
+    assert round_to_wire(x, None) is x

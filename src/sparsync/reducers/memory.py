@@ -88,9 +88,11 @@ def round_to_wire(vals: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.T
     (``None``, or already that dtype)."""
     if wire_dtype is None or vals.dtype == wire_dtype:
         return vals
-    if wire_dtype == torch.float16:
-        vals = vals.clamp(-_FP16_MAX, _FP16_MAX)
-    return vals.to(wire_dtype)
+    sent = vals.to(wire_dtype)
+    if wire_dtype == torch.float16:  # the cast's infinities back to the largest finite value, in place on the
+        # half-size result: the bits of clamping first, without a full-precision temporary (NaN stays NaN)
+        torch.nan_to_num_(sent, nan=float("nan"), posinf=_FP16_MAX, neginf=-_FP16_MAX)
+    return sent
 
 
 _FP16_MAX = 65504.0  # largest finite float16: larger magnitudes are sent saturated, the rest kept
