@@ -19,6 +19,19 @@ __all__ = ["Decisions"]
 
 _EPS_S = 5e-3  # slack in the deviation test: tiny wires do not trigger re-decisions on noise
 _HISTORY = 8   # window medians kept per candidate (since the last link change)
+_LINK_MOVED = 2.0  # a probed bandwidth that moved by more than this factor is a changed link
+
+
+def _side(t: float, pred: float, factor: float) -> int:
+    """+1 / -1 when the time ``t`` is more than ``factor`` above / below the prediction (with
+    :data:`_EPS_S` of slack), else 0."""
+    ratio = (t + _EPS_S) / (pred + _EPS_S)
+    return 1 if ratio > factor else -1 if ratio < 1 / factor else 0
+
+
+def _moved_far(moved: float) -> bool:
+    """Whether a bandwidth ratio (new beta / old beta) is a changed link."""
+    return moved > _LINK_MOVED or moved < 1 / _LINK_MOVED
 
 
 class Decisions:
@@ -66,9 +79,10 @@ class Decisions:
         history = list(self.measured.pop(cand.spec, []))  # (popped: the model's view for the refit)
         if alone:
             history = []
-        ratios = [(t + _EPS_S) / (pred + _EPS_S) for t in history[-1:] + [total]]
-        ratio = ratios[-1]
-        deviated = alone or all(r > self.deviation for r in ratios) or all(r < 1 / self.deviation for r in ratios)
+        ratio = (total + _EPS_S) / (pred + _EPS_S)
+        sides = {_side(t, pred, self.deviation) for t in history[-1:] + [total]}
+        off = _side(total, pred, self.deviation) != 0
+        deviated = alone or (len(sides) == 1 and off)
         if deviated:
             history = history[-1:]  # the candidate's time changed: the windows before no longer hold
         first = len(self.decisions) == 1  # the first window after the start: decide on measured times
@@ -76,14 +90,13 @@ class Decisions:
         # one window off is probed at once (the probe sizes itself to the link: a few round trips on a
         # slow one): a changed link is decided on now, a busy core waits for a second window. The
         # start's probe is a few calls old at the first window: it stands unless the call is off.
-        off = ratio > self.deviation or ratio < 1 / self.deviation
         probed = (deviated or off or (periodic and not first)) and can_probe and not just_probed
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
         self._refit(cand, wire, total, n, from_call=not (probed or just_probed))
         moved = self._beta(cand) / max(beta_before, 1e-30)
         # where the link can be probed, only a probe names a change (a call's wire time holds waiting)
-        changed = (moved > 2 or moved < 0.5) and (probed or just_probed or not can_probe)
+        changed = _moved_far(moved) and (probed or just_probed or not can_probe)
         if changed or (periodic and not deviated):
             self.measured.clear()  # times measured on the old link (or long ago) no longer hold
             history = []
@@ -105,16 +118,14 @@ class Decisions:
         which the regular check weighs. A declared link cannot be probed: the check runs."""
         total = self._gather([self.window[-1][1]], [])[0][0]
         cand = self.candidates[self.active]
-        ratio = (total + _EPS_S) / (self._predict(cand, grad.numel()) + _EPS_S)
-        if 1 / self.watch <= ratio <= self.watch:
+        if not _side(total, self._predict(cand, grad.numel()), self.watch):
             return None
         if not self.probe or self.declared:
             self.window = self.window[-1:]
             return self._check(grad, alone=True)
         beta = self._probed_beta(cand)
         self._probe(grad.numel())
-        moved = self._beta(cand) / max(beta, 1e-30)
-        if moved > 2 or moved < 0.5:
+        if _moved_far(self._beta(cand) / max(beta, 1e-30)):
             self.window = self.window[-1:]
             return self._check(grad, alone=True, beta_before=beta)
         return None

@@ -24,8 +24,8 @@ __all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "Link
 CPU_PRIOR_S = {"dense": 1e-9, "micro": 5e-9, "hier": 6e-9}
 CPU_PRIOR_OTHER = 8e-9
 #: extra CPU seconds per element of a dense exchange in half precision on a CPU process group: two
-#: casts, and gloo adds half-precision values one at a time in software (torch DDP with
-#: ``fp16_compress_hook`` runs slower than plain DDP on a 10 Gbit/s link here)
+#: casts, and gloo adds half-precision values one at a time in software (on a fast link the half
+#: exchange can take longer than the fp32 one)
 HALF_SUM_PRIOR_S = 1e-8
 LEVELS = ("flat", "intra", "inter")
 #: probe sizes in values: the latency call, the first bandwidth call, its largest size, and how many
@@ -201,9 +201,9 @@ class LinkModel:
         (its CPU is copies, not selection) and before any sparse reducer has run."""
         if cand.reducer == "dense":
             return 1.0
-        ratios = {cpu_key(c): self.cpu[cpu_key(c)] / _prior(c, self.comm.device.type) for c in self.candidates
-                  if c.reducer != "dense" and cpu_key(c) in self.cpu}
-        return statistics.median(ratios.values()) if ratios else 1.0
+        sparse = {cpu_key(c): c for c in self.candidates if c.reducer != "dense"}
+        ratios = [self.cpu[k] / _prior(c, self.comm.device.type) for k, c in sparse.items() if k in self.cpu]
+        return statistics.median(ratios) if ratios else 1.0
 
 
 def mid(v) -> float:
