@@ -87,7 +87,7 @@ class Decisions:
             history = history[-1:]  # the candidate's time changed: the windows before no longer hold
         first = len(self.decisions) == 1  # the first window after the start: decide on measured times
         periodic = self.since_decision >= self.decide_every or first
-        # one window off is probed at once (the probe sizes itself to the link: a few round trips on a
+        # one window off is probed at once (the probe sizes itself to the link: it stays small on a
         # slow one): a changed link is decided on now, a busy core waits for a second window. The
         # start's probe is a few calls old at the first window: it stands unless the call is off.
         probed = (deviated or off or (periodic and not first)) and can_probe and not just_probed

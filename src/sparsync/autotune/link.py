@@ -67,7 +67,7 @@ class LinkModel:
         The small size (:data:`PROBE_SMALL` values) measures latency; the large one starts at
         :data:`PROBE_START` values and grows 8x, up to ``min(n, PROBE_MAX)``, until its call takes
         :data:`PROBE_RATIO` times the small one's (bandwidth, not latency, dominates it): on a slow
-        link the probe stays small and costs a few round trips, on a fast one it grows until the
+        link the probe stays at 64 KB, on a fast one it grows until the
         bytes show. Each growth is decided from the maximum over ranks (one small all-gather), so
         every rank sends the same sizes."""
         t0 = time.perf_counter()
