@@ -39,8 +39,8 @@ def _hook(r, ev):
     return ev
 
 
-def _run(comm, hook=_hook, steps=STEPS, check_every=2):
-    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=check_every, penalty=1.0)
+def _run(comm, hook=_hook, steps=STEPS, check_every=2, penalty=1.0):
+    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=check_every, penalty=penalty)
     r.timings = hook
     g = torch.Generator().manual_seed(comm.rank)
     for _ in range(steps):
@@ -77,7 +77,9 @@ def _drop_hook(r, ev):
 def test_a_link_drop_is_decided_at_the_first_window_that_sees_it():
     # the first window off its prediction is probed at once: the probe sees the drop, so auto decides
     # at the first check after it (step 15, its window the calls 12-14), not one window later
-    res = [d for d, _ in ss.run_local(_run, P, _drop_hook, 24, 3, backend="thread")]
+    # (penalty 0.5: a Gaussian gradient spreads under error feedback - its top 2 % keep ~0.1 - and
+    # micro must win on the slow link)
+    res = [d for d, _ in ss.run_local(_run, P, _drop_hook, 24, 3, 0.5, backend="thread")]
     assert all(d == res[0] for d in res)
     assert [d for d in res[0] if d["step"] < 12][-1]["chosen"] == "dense", res[0]
     after = [d for d in res[0] if d["step"] >= 12]

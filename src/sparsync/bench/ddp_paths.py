@@ -33,6 +33,8 @@ from torch import nn
 __all__ = ["CONFIGS", "main", "run"]
 
 CONFIGS = ("floor", "ddp", "sparseddp-dense", "hook-async", "hook-sync", "sparseddp")
+#: also on request: torch DDP with its ``fp16_compress_hook`` against SparseDDP dense with fp16 values
+EXTRA_CONFIGS = ("ddp-fp16", "sparseddp-dense-fp16")
 _PARTS = ("copy", "check", "policy", "select", "comm", "reducer_other", "idle")
 
 
@@ -45,13 +47,19 @@ def _setup(comm, cfg, model_name, reducer, density, bucket_mb, merge, batch_size
     ddp = None
     if cfg == "floor":
         fwd = model
-    elif cfg in ("ddp", "hook-async", "hook-sync"):
+    elif cfg in ("ddp", "ddp-fp16", "hook-async", "hook-sync"):
         fwd = nn.parallel.DistributedDataParallel(model, process_group=comm.group, bucket_cap_mb=bucket_mb)
-        if cfg != "ddp":
+        if cfg == "ddp-fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            fwd.register_comm_hook(comm.group, default_hooks.fp16_compress_hook)
+        elif cfg != "ddp":
             fwd.register_comm_hook(fwd, ss.ddp_hook(reducer, density, asynchronous=cfg == "hook-async"))
     else:
-        red = "dense" if cfg == "sparseddp-dense" else reducer
-        fwd = ddp = ss.SparseDDP(model, comm, reducer=red, density=density, merge=merge, nonfinite="ignore")
+        red = "dense" if cfg.startswith("sparseddp-dense") else reducer
+        opts = {"value_dtype": "fp16"} if cfg.endswith("-fp16") else {}
+        fwd = ddp = ss.SparseDDP(model, comm, reducer=red, density=density, merge=merge, nonfinite="ignore",
+                                 reducer_options=opts)
     return model, batch, loss_fn, fwd, ddp, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
 
@@ -105,6 +113,9 @@ def run(model="digits-mlp", reducer="micro", density=0.01, bucket_mb=None, merge
     """``bucket_mb``: torch DDP's ``bucket_cap_mb`` (None: its default, 25 MB with a 1 MB first
     bucket); ``merge``: SparseDDP's plan (``buckets:1`` groups digits-mlp exactly as DDP's default:
     [fc3, fc2] then [fc1])."""
+    unknown = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS]
+    if unknown:
+        raise ValueError(f"unknown configuration {unknown[0]!r}; valid: {', '.join(CONFIGS + EXTRA_CONFIGS)}")
     args = (model, reducer, density, bucket_mb, merge, warmup, steps, batch_size, list(configs))
     if loopback:
         from ..launch import run_local
@@ -119,7 +130,8 @@ def format_markdown(res: dict, reducer: str, density: float, merge: str = "bucke
     floor = res.get("floor", {}).get("step_s")
     lines = ["| configuration | step (ms) | vs torch DDP | vs floor |", "|---|---|---|---|"]
     label = {"floor": "no communication (floor)", "ddp": "torch DDP (dense, default buckets: 25 MB, first 1 MB)",
-             "sparseddp-dense": f"SparseDDP dense, {merge}",
+             "sparseddp-dense": f"SparseDDP dense, {merge}", "ddp-fp16": "torch DDP + fp16_compress_hook",
+             "sparseddp-dense-fp16": f"SparseDDP dense, fp16 values, {merge}",
              "hook-async": f"torch DDP + ss.ddp_hook({reducer}, {density:g}), async",
              "hook-sync": f"torch DDP + ss.ddp_hook({reducer}, {density:g}), synchronous",
              "sparseddp": f"SparseDDP {reducer} {density:g}, {merge}"}

@@ -75,7 +75,8 @@ def _workload(name):
     return make
 
 
-MODELS = {"tower": _tower, "digits-mlp": _workload("digits-mlp"), "digits-cnn": _workload("digits-cnn")}
+MODELS = {"tower": _tower, "digits-mlp": _workload("digits-mlp"), "digits-cnn": _workload("digits-cnn"),
+          "gpt": _workload("gpt")}
 
 
 def build(name: str, batch_size: int = 64, seed: int = 0):

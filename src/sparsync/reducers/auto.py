@@ -231,6 +231,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     def _reduce(self, grad: torch.Tensor):
         t_start = time.perf_counter()
         gap = None if self._last_end is None else t_start - self._last_end
+        if gap is None and self.compute_start is not None:  # the first call: the compute since it began
+            gap = max(0.0, t_start - self.compute_start)
         decision = None
         if self.active is None:
             probe_s = 0.0
@@ -241,8 +243,9 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                     probe_s = self._probe(grad.numel())
                     cache[key] = {k: list(v) for k, v in self.link.items()}
                 self.link = {k: list(v) for k, v in cache[key].items()}
-            kept = self._gather([], self._kept_local(grad))[1]
-            decision = self._decide(grad.numel(), 0.0, kept, "start")
+            # the step's compute so far (when the caller said when it began: compute_start), max over ranks
+            (hint,), kept = self._gather([0.0 if gap is None else gap], self._kept_local(grad))
+            decision = self._decide(grad.numel(), hint, kept, "start")
             decision["probe_s"] = probe_s
         elif self.step % self.check_every == 0 and len(self.window) >= 2:
             decision = self._check(grad)

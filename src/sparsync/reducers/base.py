@@ -163,11 +163,10 @@ class Reducer:
 
     @residual.setter
     def residual(self, value: torch.Tensor | None) -> None:
-        if self.memory is None:
-            if value is not None:
-                raise ValueError(f"reducer {self.name!r} keeps no residual (has_memory = False)")
-            return
-        self.memory.residual = value
+        if self.memory is None and value is not None:
+            raise ValueError(f"reducer {self.name!r} keeps no residual (has_memory = False)")
+        if self.memory is not None:
+            self.memory.residual = value
 
     def reduce_sparse(self, grad: torch.Tensor) -> torch.Tensor:
         """SUM over ranks of a torch sparse COO gradient (reducers with ``sparse_input = True``)."""
@@ -193,10 +192,11 @@ class Reducer:
         self._account(self.comm.ledger.since(snap), t0)
         return out
 
-    #: True when a step's exchange is ONE collective that :meth:`start` posts without waiting (``dense``).
-    #: Several dependent collectives stay False: posted from completion callbacks, two buckets' stages
-    #: could be issued in another order on another rank, and gloo pairs collectives by issue order.
+    #: True when a step's exchange is ONE collective that :meth:`start` posts without waiting (``dense``). Several
+    #: stay False: posted from callbacks, they could be issued in another order on another rank (gloo pairs by order).
     staged = False
+    #: the caller's ``time.perf_counter()`` when this step's compute began (``SparseDDP`` sets it: backward's start)
+    compute_start: float | None = None
 
     def start(self, grad: torch.Tensor, *, donate: bool = False) -> torch.futures.Future:
         """:meth:`reduce` with its one collective posted, not waited for (``staged`` reducers): local

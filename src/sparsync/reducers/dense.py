@@ -18,10 +18,13 @@ tensor itself is reduced, in the same pieces, and returned - the same bits as th
 
 ``value_dtype="fp16"`` / ``"bf16"``: the values travel and are summed in half precision (half the
 bytes), then returned in the gradient's dtype - what torch's ``fp16_compress_hook`` does (no
-residual; the rounding is lost, so such an instance reports ``conserving = False``).
+residual; the rounding is lost, so such an instance reports ``conserving = False``); a donated
+gradient buffer receives the half-precision sum (no output buffer).
 """
 
 from __future__ import annotations
+
+import torch
 
 from .base import Reducer
 from .registry import register
@@ -41,22 +44,27 @@ class DenseReducer(Reducer):
     staged = True  # one all-reduce: :meth:`_start` posts it and returns its future
 
     def _reduce(self, grad):
-        if self.wire_dtype is not None:  # half precision on the wire and in the sum (fp16_compress_hook)
-            self.check_finite(grad)
-            sent = self.wire_values(grad)
+        def allreduce(*args, **kwargs):  # the wire time: the all-reduce, not the local passes around it
             with self.timed("comm"):
-                self.comm.allreduce(sent, out=sent, pieces=True)
-            out = self.output_buffer(grad.numel(), grad.dtype, grad.device)
-            return out.copy_(sent)
-        with self.timed("comm"):
-            return self._exchange(grad, self.comm.allreduce)
+                return self.comm.allreduce(*args, **kwargs)
+
+        return self._exchange(grad, allreduce)
 
     def _start(self, grad):
         return self._exchange(grad, self.comm.allreduce_async)
 
     def _exchange(self, grad, allreduce):
         """The step, with ``allreduce`` = ``Comm.allreduce`` (the sum) or ``Comm.allreduce_async`` (its future)."""
-        if self.inplace or self.donated:  # the caller gave its gradient buffer up: no copy at all
+        mine = self.inplace or self.donated  # the caller gave its gradient buffer up: no copy at all
+        if self.wire_dtype is not None:  # half precision on the wire and in the sum (fp16_compress_hook)
+            self.check_finite(grad)
+            out = grad if mine else self.output_buffer(grad.numel(), grad.dtype, grad.device)
+            sent = self.wire_values(grad)
+            summed = allreduce(sent, out=sent, pieces=True)
+            if not isinstance(summed, torch.Tensor):  # start()'s future: back to the gradient's dtype when done
+                return summed.then(lambda f: out.copy_(f.value()))
+            return out.copy_(summed)
+        if mine:
             self.check_finite(grad)
             return allreduce(grad, out=grad, pieces=True)
         out = self.output_buffer(grad.numel(), grad.dtype, grad.device)

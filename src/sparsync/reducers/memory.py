@@ -91,7 +91,7 @@ def round_to_wire(vals: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.T
     sent = vals.to(wire_dtype)
     if wire_dtype == torch.float16:  # the cast's infinities back to the largest finite value, in place on the
         # half-size result: the bits of clamping first, without a full-precision temporary (NaN stays NaN)
-        torch.nan_to_num_(sent, nan=float("nan"), posinf=_FP16_MAX, neginf=-_FP16_MAX)
+        sent.clamp_(-_FP16_MAX, _FP16_MAX)
     return sent
 
 

@@ -215,6 +215,8 @@ class OverlapEngine:
     def _begin_step(self, now):
         self._step_active = True
         self._t_start = self._bw_start if self._bw_start is not None else now
+        for r in self.reducers:  # when the compute began (auto's start decision weighs its candidates by it)
+            r.compute_start = self._t_start
         self._seen = [False] * self.n
         self._pending = [len(g) for g in self.groups]
         self._ready = [False] * len(self.groups)

@@ -1,0 +1,77 @@
+"""The start decision of ``reducer="auto"``: it cannot measure the kept mass under error feedback or the
+step's compute yet, so it estimates the first (:func:`~sparsync.autotune.kept.kept_under_feedback`) and
+is told the second by its caller (``compute_start``, which SparseDDP sets). Real thread ranks."""
+
+import math
+import time
+
+import torch
+from torch import nn
+
+import sparsync as ss
+from sparsync.autotune.kept import kept_under_feedback
+from sparsync.reducers.registry import make_reducer
+
+N, P = 20000, 3
+# a declared link on which dense costs ~30 ms per call at N values and micro 1 % about 1 ms
+LINK = {"flat": (1e-4, 0.03 / (2 * (P - 1) / P * N * 4))}
+
+
+def _heavy(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).double()
+
+
+def _kept(x, k):
+    sq = x * x
+    return float(sq.topk(k).values.sum() / sq.sum())
+
+
+def test_kept_under_feedback_is_the_error_feedback_loop():
+    x = _heavy(50000, 0)
+    for d in (0.01, 0.05):
+        k = math.ceil(d * x.numel())
+        for steps in (0, 1, 2, 3):
+            residual = torch.zeros_like(x)  # error feedback written out: send the top k of residual + x, keep the rest
+            for _ in range(steps):
+                acc = residual + x
+                sent = torch.zeros_like(acc)
+                top = acc.abs().topk(k).indices
+                sent[top] = acc[top]
+                residual = acc - sent
+            want = _kept(residual + x, k)
+            assert math.isclose(kept_under_feedback(x, k, steps), want, rel_tol=1e-12), (d, steps)
+        # the accumulated vector spreads: each step of feedback keeps less in the top k
+        seq = [kept_under_feedback(x, k, s) for s in range(4)]
+        assert math.isclose(seq[0], _kept(x, k), rel_tol=1e-12) and all(a > b for a, b in zip(seq, seq[1:])), seq
+
+
+def _start(comm, hint):
+    r = make_reducer("auto", comm, candidates="dense,micro:0.01", link=LINK)
+    if hint is not None:  # each rank was told another start of its compute; the decision takes the maximum
+        r.compute_start = time.perf_counter() - hint * (comm.rank + 1) / P
+    r.reduce(_heavy(N, comm.rank).float())
+    return r.decisions[0]["chosen"], r.last_decision["gap_ms"]
+
+
+def test_the_start_weighs_the_candidates_against_the_compute_it_was_told():
+    # no compute time: micro's 1 ms beats dense's 30 ms whatever its convergence cost; behind 300 ms
+    # of compute, dense's exact step is worth its 30 ms
+    told = ss.run_local(_start, P, 0.3, backend="thread")
+    untold = ss.run_local(_start, P, None, backend="thread")
+    assert all(c == "dense" and g >= 300 for c, g in told), told
+    assert all(c == "micro:0.01" and g == 0 for c, g in untold), untold
+
+
+def _ddp(comm):
+    m = nn.Sequential(nn.Linear(20, 50), nn.ReLU(), nn.Linear(50, 2))
+    ddp = ss.SparseDDP(m, comm, reducer="auto", merge="single",
+                       reducer_options={"candidates": "dense,micro:0.05", "link": LINK})
+    ddp(torch.randn(8, 20)).square().mean().backward()
+    gap = ddp.reducers[0].last_decision["gap_ms"]
+    ddp.close()
+    return gap
+
+
+def test_sparseddp_tells_auto_when_the_compute_started():
+    assert all(g > 0 for g in ss.run_local(_ddp, 2, backend="thread"))
