@@ -66,8 +66,10 @@ class LinkModel:
 
         The small size (:data:`PROBE_SMALL` values) measures latency; the large one starts at
         :data:`PROBE_START` values and grows 8x, up to ``min(n, PROBE_MAX)``, until its call takes
-        :data:`PROBE_RATIO` times the small one's (bandwidth, not latency, dominates it): on a slow
-        link the probe stays at 64 KB, on a fast one it grows until the
+        :data:`PROBE_RATIO` times the small one's (bandwidth, not latency, dominates it) and so does
+        the call of twice its size, which the fit uses (one call slowed by a rank that lost its core
+        for a few milliseconds would otherwise stop the probe at a small size and read a fast link as
+        a slow one): on a slow link the probe stops at 128 KB, on a fast one it grows until the
         bytes show. Each growth is decided from the maximum over ranks (one small all-gather), so
         every rank sends the same sizes."""
         t0 = time.perf_counter()
@@ -81,15 +83,20 @@ class LinkModel:
         mine, sizes = [], []
         for level, c in levels:
             t_small = self._timed_allreduce(level, c, small)
-            large = PROBE_START
+            large, seen = PROBE_START, False
             while True:
                 t_large = self._timed_allreduce(level, c, large)
                 if large >= cap:
                     break
                 worst_small, worst_large = self._gather([t_small, t_large], [])[0]
                 if worst_large >= PROBE_RATIO * worst_small:
-                    break
-                large = min(cap, 8 * large)
+                    if seen:  # the second size in a row whose bytes dominate: not a rank descheduled once
+                        break
+                    seen = True
+                    large = min(cap, 2 * large)  # confirmed on twice the size
+                else:
+                    seen = False
+                    large = min(cap, 8 * large)
             mine += [t_small, t_large]
             sizes.append(large)
         worst = self._gather(mine, [])[0]

@@ -29,6 +29,13 @@ __all__ = ["SECONDS_MAX", "SEED", "SEED_MAX", "add_common", "argparse_bool", "ar
 _float_in, _int_in, _parse_value = float_in, int_in, parse_value
 
 
+def _period(text: str):
+    """``--sync-every``: a positive integer or ``auto``."""
+    if text == "auto":
+        return text
+    return int_in(1, 2**31, "--sync-every")(text)
+
+
 def register(sub) -> None:
     from . import DENSITY
 
@@ -44,8 +51,9 @@ def register(sub) -> None:
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="reducer option (repeatable; an unknown key lists the reducer's options)")
     local = p.add_argument_group("local steps (docs/localsteps.md)")
-    local.add_argument("--sync-every", type=int, default=None, metavar="H",
-                       help="DiLoCo: H inner steps per outer synchronisation (the reducer sends the pseudo-gradient)")
+    local.add_argument("--sync-every", type=_period, default=None, metavar="H",
+                       help="DiLoCo: H inner steps per outer synchronisation (the reducer sends the pseudo-gradient); "
+                            "auto: chosen from the measured step and synchronisation times")
     local.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer Nesterov SGD lr (0.7)")
     local.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo's outer momentum (0.9)")
     local.add_argument("--local-warmup", type=int, default=None, metavar="N",

@@ -9,7 +9,8 @@
         dl.step()                      # where opt.step() was: inner step, every H calls the outer sync
 
 Every rank runs ``sync_every`` (H) steps of its own ``inner_optimizer`` on its own data, without any
-communication. Every H-th call of :meth:`DiLoCo.step` then
+communication (``sync_every="auto"``: H chosen at every synchronisation from the measured times,
+:mod:`.period`). Every H-th call of :meth:`DiLoCo.step` then
 
 1. forms the pseudo-gradient ``delta_r = shared - local_r`` (the shared parameters of the last
    synchronisation minus this rank's parameters now), one flat buffer per (device, dtype);
@@ -34,7 +35,8 @@ SGD"; torch's ``PeriodicModelAverager``).
 
 State (:meth:`state_dict` / :meth:`load_state_dict`; tensors and plain data, no process group):
 the shared parameters, the outer optimizer (its momentum buffer), the inner step counter within the
-current cycle, the outer step count and every reducer's state (residual included). To resume
+current cycle, the outer step count, with ``sync_every="auto"`` the period and its measurements,
+and every reducer's state (residual included). To resume
 bitwise - also from a checkpoint taken in the middle of an outer cycle - save, on every rank, the
 module's parameters (``model.state_dict()``: the local parameters of this rank), the inner
 optimizer's ``state_dict()`` and this object's ``state_dict()``; load all three before the next
@@ -48,6 +50,8 @@ import time
 
 import torch
 from torch import nn
+
+from .period import MAX_PERIOD, AutoPeriod, default_period_cost
 
 __all__ = ["DiLoCo", "STATE_FORMAT", "default_reducer_options"]
 
@@ -102,7 +106,11 @@ class DiLoCo:
             ones: count, shapes, dtypes; checked at construction).
         comm: a :class:`sparsync.Comm`, a torch process group, or None for the default group.
         inner_optimizer: any ``torch.optim.Optimizer`` over the module's parameters (SGD, AdamW...).
-        sync_every: H, the number of :meth:`step` calls per outer synchronisation (>= 1).
+        sync_every: H, the number of :meth:`step` calls per outer synchronisation (>= 1), or ``"auto"``:
+            chosen at every synchronisation from the measured step and synchronisation times and the
+            convergence cost of local steps (:mod:`.period`; options ``period_cost``, default per the
+            inner optimizer's family, and ``max_period``, default 64); ``sync_every`` then holds the
+            current period and ``periods`` every choice.
         reducer: a registered sparsync reducer for the pseudo-gradient (``"dense"``, ``"micro"``,
             ``"topka"``, ...; see ``ss.make_reducer``).
         density: the fraction of pseudo-gradient entries a sparsifying reducer sends per outer step.
@@ -112,7 +120,8 @@ class DiLoCo:
         **reducer_options: passed to the reducer (``value_dtype="fp32"`` turns half-precision values off).
 
     After each call of :meth:`step`, ``last_stats`` holds ``synced`` (whether this call ran the
-    outer synchronisation), ``outer_step``, and for the synchronisation the reducer's ``select_s``,
+    outer synchronisation), ``outer_step``, ``sync_every`` (the period in force), and for the
+    synchronisation the reducer's ``select_s``,
     ``comm_s``, ``bytes_sent``, ``bytes_received``, ``selected``, ``density`` plus ``inner_s`` and
     ``outer_s`` (seconds of the inner step and of the whole outer synchronisation); calls without
     synchronisation report zero bytes and zero density.
@@ -120,7 +129,8 @@ class DiLoCo:
 
     def __init__(self, module: nn.Module, comm, inner_optimizer, sync_every: int, reducer: str = "dense",
                  density: float = 0.01, outer_lr: float = 0.7, outer_momentum: float = 0.9, *,
-                 init_sync: bool = True, **reducer_options):
+                 init_sync: bool = True, period_cost: float | None = None, max_period: int = MAX_PERIOD,
+                 **reducer_options):
         from ..ddp import _as_comm, start_in_sync
         from ..reducers.registry import make_reducer
 
@@ -128,8 +138,11 @@ class DiLoCo:
             raise TypeError(f"DiLoCo wraps an nn.Module, got {type(module).__name__}")
         if not callable(getattr(inner_optimizer, "step", None)):
             raise TypeError(f"inner_optimizer must be an optimizer with .step(), got {type(inner_optimizer).__name__}")
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive integer, got {sync_every!r}")
+        auto = sync_every == "auto"
+        if not auto and (isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1):
+            raise ValueError(f"sync_every must be a positive integer or 'auto', got {sync_every!r}")
+        if not auto and period_cost is not None:
+            raise ValueError("period_cost applies to sync_every='auto' only")
         if not (float(outer_lr) > 0):
             raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
         if not (0 <= float(outer_momentum) < 1):
@@ -138,7 +151,9 @@ class DiLoCo:
         self.comm = comm = _as_comm(comm, module)
         self.module = module
         self.inner_optimizer = inner_optimizer
-        self.sync_every = int(sync_every)
+        cost = default_period_cost(inner_optimizer) if period_cost is None else period_cost
+        self.period = AutoPeriod(self.comm, cost, max_period) if auto else None  # (checks its options)
+        self.sync_every = 1 if auto else int(sync_every)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.reducer_name = reducer
         named = start_in_sync(module, comm, "DiLoCo", init_sync)
@@ -153,6 +168,12 @@ class DiLoCo:
         self.inner_step = 0   # inner steps taken since the last outer synchronisation
         self.outer_step = 0   # outer synchronisations so far
         self.last_stats: dict = {}
+        self._last_end: float | None = None  # the end of the previous step() call (a local step's compute since)
+
+    @property
+    def periods(self) -> list[dict]:
+        """``sync_every="auto"``: every choice (outer step, period, the times it came from); else []."""
+        return [] if self.period is None else list(self.period.history)
 
     @property
     def reducers(self) -> list:
@@ -169,14 +190,20 @@ class DiLoCo:
         t0 = time.perf_counter()
         loss = self.inner_optimizer.step() if closure is None else self.inner_optimizer.step(closure)
         t1 = time.perf_counter()
+        if self.period is not None and self._last_end is not None:
+            self.period.step(t1 - self._last_end)  # forward, backward and inner step since the last call
         self.inner_step += 1
         if self.inner_step < self.sync_every:
             self.last_stats = {"synced": False, "outer_step": self.outer_step, "inner_s": t1 - t0, "outer_s": 0.0,
                                "select_s": 0.0, "comm_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
-                               "selected": 0, "numel": self.numel, "density": 0.0}
-            return loss
-        self.sync()
-        self.last_stats["inner_s"] = t1 - t0
+                               "selected": 0, "numel": self.numel, "density": 0.0, "sync_every": self.sync_every}
+        else:
+            period = self.sync_every
+            self.sync()
+            if self.period is not None:
+                self.sync_every = self.period.choose(self.last_stats["outer_s"], self.outer_step)
+            self.last_stats.update(inner_s=t1 - t0, sync_every=period)
+        self._last_end = time.perf_counter()
         return loss
 
     @property
@@ -207,7 +234,9 @@ class DiLoCo:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """Shared parameters, outer optimizer, cycle position and reducers' states (no process group)."""
-        return {"format": STATE_FORMAT, "sync_every": self.sync_every, "reducer": self.reducer_name,
+        return {"format": STATE_FORMAT, "reducer": self.reducer_name,
+                "sync_every": "auto" if self.period is not None else self.sync_every,
+                "period": None if self.period is None else self.period.state_dict(),
                 "inner_step": self.inner_step, "outer_step": self.outer_step,
                 "shared": [g.shared.detach().cpu().clone() for g in self.groups],
                 "outer_optimizer": self.outer_optimizer.state_dict(),
@@ -218,15 +247,17 @@ class DiLoCo:
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
             raise ValueError(f"not a DiLoCo state dict (format {d.get('format') if isinstance(d, dict) else None!r}, "
                              f"expected {STATE_FORMAT!r})")
-        if d["sync_every"] != self.sync_every or d["reducer"] != self.reducer_name:
+        mine = "auto" if self.period is not None else self.sync_every
+        if d["sync_every"] != mine or d["reducer"] != self.reducer_name:
             raise ValueError(f"DiLoCo state of sync_every={d['sync_every']}, reducer={d['reducer']!r} cannot be "
-                             f"loaded into sync_every={self.sync_every}, reducer={self.reducer_name!r}")
+                             f"loaded into sync_every={mine}, reducer={self.reducer_name!r}")
+        period = int(d["period"]["period"]) if self.period is not None else self.sync_every
         shared = d["shared"]
         if len(shared) != len(self.groups) or any(s.shape != g.shared.shape for s, g in zip(shared, self.groups)):
             raise ValueError("DiLoCo state: the shared parameters do not match this module's parameter groups "
                              f"({[tuple(s.shape) for s in shared]} vs {[tuple(g.shared.shape) for g in self.groups]})")
-        if not 0 <= int(d["inner_step"]) < self.sync_every:
-            raise ValueError(f"DiLoCo state: inner_step {d['inner_step']} outside [0, {self.sync_every})")
+        if not 0 <= int(d["inner_step"]) < period:
+            raise ValueError(f"DiLoCo state: inner_step {d['inner_step']} outside [0, {period})")
         with torch.no_grad():
             for s, g in zip(shared, self.groups):
                 g.shared.copy_(s)
@@ -234,6 +265,10 @@ class DiLoCo:
         for r, g in zip(d["reducers"], self.groups):
             g.reducer.load_state_dict(r)
         self.inner_step, self.outer_step = int(d["inner_step"]), int(d["outer_step"])
+        if self.period is not None:
+            self.period.load_state_dict(d["period"])
+            self.sync_every = self.period.period
+        self._last_end = None
 
     # the names SparseDDP uses for its own sparsync state (the trainer checkpoints either the same way)
     sparsync_state_dict = state_dict

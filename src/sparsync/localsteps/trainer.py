@@ -6,7 +6,8 @@ Two kinds of run (``TrainConfig.local_steps``, compare syntax in :mod:`sparsync.
   (synchronous steps before local SGD starts; default :data:`DEFAULT_WARMUP`);
 * any registered reducer with ``local_steps={"sync_every": H, ...}``: :class:`~.diloco.DiLoCo`
   with that reducer for the pseudo-gradient, options ``outer_lr`` / ``outer_momentum`` (defaults
-  0.7 / 0.9, the DiLoCo paper's) and the run's reducer options.
+  0.7 / 0.9, the DiLoCo paper's) and the run's reducer options; ``sync_every="auto"`` chooses H
+  as it goes (:mod:`.period`, options ``period_cost`` and ``max_period``).
 
 The training loop keeps its shape: it calls ``opt.zero_grad()``, ``fwd(x)``, ``backward()``,
 ``opt.step()``; for DiLoCo ``opt.step()`` is ``DiLoCo.step`` (so the outer synchronisation is timed in
@@ -24,8 +25,10 @@ __all__ = ["DEFAULT_WARMUP", "DILOCO_KEYS", "LOCAL_KEYS", "check", "is_diloco", 
 DEFAULT_WARMUP = 1
 #: DiLoCo's keys of ``local_steps`` and their defaults (None: required)
 DILOCO_KEYS = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9}
+#: DiLoCo's keys for ``sync_every="auto"`` only (:mod:`.period`)
+PERIOD_KEYS = ("period_cost", "max_period")
 #: every key a compare configuration may give for local steps
-LOCAL_KEYS = (*DILOCO_KEYS, "warmup")
+LOCAL_KEYS = (*DILOCO_KEYS, *PERIOD_KEYS, "warmup")
 
 
 def is_diloco(cfg) -> bool:
@@ -51,9 +54,10 @@ def check(cfg) -> None:
         return
     if not ls:
         return
-    bad = sorted(set(ls) - set(DILOCO_KEYS))
+    bad = sorted(set(ls) - set(DILOCO_KEYS) - set(PERIOD_KEYS))
     if bad:
-        raise ValueError(f"local steps (DiLoCo) have no option {', '.join(bad)}; valid: {', '.join(DILOCO_KEYS)}")
+        raise ValueError(f"local steps (DiLoCo) have no option {', '.join(bad)}; valid: "
+                         f"{', '.join((*DILOCO_KEYS, *PERIOD_KEYS))}")
     if "sync_every" not in ls:
         raise ValueError("local steps (DiLoCo) need sync_every=H")
     if cfg.is_torch_ddp or cfg.reducer == "nocomm":
@@ -71,8 +75,16 @@ def check(cfg) -> None:
         if v is not None:
             ls.setdefault(k, v)
     H = ls["sync_every"]
-    if isinstance(H, bool) or not isinstance(H, int) or H < 1:
-        raise ValueError(f"sync_every must be a positive integer, got {H!r}")
+    if H != "auto" and (isinstance(H, bool) or not isinstance(H, int) or H < 1):
+        raise ValueError(f"sync_every must be a positive integer or auto, got {H!r}")
+    given = sorted(k for k in PERIOD_KEYS if k in ls)
+    if given and H != "auto":
+        raise ValueError(f"{', '.join(given)} apply to sync_every=auto only")
+    c, most = ls.get("period_cost", 0.0), ls.get("max_period", 1)
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 <= c < 1:
+        raise ValueError(f"period_cost must be in [0, 1), got {c!r}")
+    if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+        raise ValueError(f"max_period must be a positive integer, got {most!r}")
     if not (isinstance(ls["outer_lr"], (int, float)) and ls["outer_lr"] > 0):
         raise ValueError(f"outer_lr must be > 0, got {ls['outer_lr']!r}")
     if not (isinstance(ls["outer_momentum"], (int, float)) and 0 <= ls["outer_momentum"] < 1):
@@ -129,7 +141,7 @@ def wrap(cfg, model, comm, inner):
     ls = cfg.local_steps
     dl = DiLoCo(model, comm, inner, sync_every=ls["sync_every"], reducer=cfg.reducer, density=cfg.density,
                 outer_lr=ls.get("outer_lr", 0.7), outer_momentum=ls.get("outer_momentum", 0.9),
-                **cfg.reducer_options)
+                **{k: ls[k] for k in PERIOD_KEYS if k in ls}, **cfg.reducer_options)
     return model, dl, _StepThrough(dl)
 
 

@@ -361,7 +361,7 @@ def _step_record(cfg, model, ddp, numel, step, loss, train_time, times) -> dict:
         return rec
     st = dict(getattr(ddp, "last_stats", {}) or {})
     for k in ("select_s", "comm_s", "wait_s", "bytes_sent", "bytes_received", "selected", "intra_bytes", "inter_bytes",
-              "numel", "density", "groups", "outer_s", *_BREAKDOWN_KEYS,
+              "numel", "density", "groups", "outer_s", "sync_every", *_BREAKDOWN_KEYS,
               *(k for k in st if k.startswith("reducer_") and k not in _BREAKDOWN_KEYS)):
         if k in st:
             v = st[k]

@@ -1,7 +1,7 @@
 """A run's target and its final numbers: :func:`target_of` (which metric, which value, which way),
 :func:`summarize` (``summary.json``: medians and means of the steady steps, time and steps to target
 interpolated between evaluations by :func:`sparsync.train.stats.crossing`, and for ``reducer="auto"``
-its decisions)."""
+its decisions, for ``sync_every=auto`` where the period changed)."""
 
 from __future__ import annotations
 
@@ -87,4 +87,9 @@ def _auto_summary(rows: list[dict]) -> dict:
     decisions = [{"step": r["step"], "group": d.get("group"), "reason": d.get("reason"), "chosen": d.get("chosen"),
                   "switched": d.get("switched")} for r in rows for d in r.get("auto_decisions") or []]
     last = next((r["auto_choice"] for r in reversed(rows) if r.get("auto_choice")), None)
-    return {"auto_decisions": decisions, "auto_final_choice": last} if (decisions or last) else {}
+    out = {"auto_decisions": decisions, "auto_final_choice": last} if (decisions or last) else {}
+    periods = [(r["step"], r["sync_every"]) for r in rows if r.get("sync_every") is not None]
+    changes = [{"step": s, "sync_every": h} for i, (s, h) in enumerate(periods) if i == 0 or h != periods[i - 1][1]]
+    if len(changes) > 1:  # DiLoCo with sync_every="auto": where the period changed
+        out["sync_every_changes"] = changes
+    return out
