@@ -465,23 +465,24 @@ def test_the_first_calls_of_a_run_are_not_measurements():
 
 
 def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
-    # a slow link: the first bandwidth size already takes far more than the latency call, and so does
-    # twice that size, where the probe stops; a fast one (latency-bound at that size): it grows 8x at
-    # a time up to min(n, cap). One rank sees a slower link than the others: the growth follows the
-    # maximum over ranks, so all ranks send the same sizes (a rank that grew alone would deadlock the
-    # others' all-reduce). A rank descheduled for 10 ms at the first bandwidth size does not stop a
-    # fast link's probe there (it would read 50x too slow a link).
-    from sparsync.autotune.link import PROBE_MAX, PROBE_START
+    # a slow link: the first bandwidth size already takes far more than the latency call - at least
+    # PROBE_SURE_S, or confirmed on twice the size -, and the probe stops there; a fast one
+    # (latency-bound at that size): it grows 8x at a time up to min(n, cap). One rank sees a slower
+    # link than the others: the growth follows the maximum over ranks, so all ranks send the same
+    # sizes (a rank that grew alone would deadlock the others' all-reduce). A rank descheduled for
+    # 10 ms at the first bandwidth size does not stop a fast link's probe there (it would read 50x too
+    # slow a link).
+    from sparsync.autotune.link import PROBE_MAX, PROBE_START, PROBE_SURE_S
 
     n = 4 * PROBE_MAX
 
-    def run(comm, beta, hiccup=0.0):
+    def run(comm, beta, spread=30, hiccup=0.0):
         sizes = []
 
         def hook(r, ev):
             if ev["event"] == "probe":
                 sizes.append(ev["numel"])
-                b = beta * (30 if r.comm.rank == 1 and not hiccup else 1)
+                b = beta * (spread if r.comm.rank == 1 else 1)
                 late = hiccup if r.comm.rank == 2 and ev["numel"] == PROBE_START else 0.0
                 return {**ev, "time_s": 1e-3 + b * 6 * ev["numel"] + late}
             return ev
@@ -491,9 +492,12 @@ def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
         r._probe(n)
         return sizes, r.link["flat"][1]
 
-    slow = ss.run_local(run, 4, 1e-7, backend="thread")
-    assert all(s == [256, PROBE_START, 2 * PROBE_START] for s, _ in slow), slow
-    late = ss.run_local(run, 4, 1e-10, 0.01, backend="thread")
+    slow = ss.run_local(run, 4, 1e-7, backend="thread")  # rank 1's call: 0.3 s
+    assert all(s == [256, PROBE_START] for s, _ in slow), slow
+    short = ss.run_local(run, 4, 7e-8, 1, backend="thread")  # 8 ms: bandwidth-bound, but short
+    assert 4e-3 < 1e-3 + 7e-8 * 6 * PROBE_START < PROBE_SURE_S
+    assert all(s == [256, PROBE_START, 2 * PROBE_START] and abs(b / 7e-8 - 1) < 0.01 for s, b in short), short
+    late = ss.run_local(run, 4, 1e-10, 1, 0.01, backend="thread")
     assert all(s == late[0][0] and s[-1] > 2 * PROBE_START for s, _ in late), late
     assert all(abs(b / 1e-10 - 1) < 0.5 for _, b in late), late
     fast = ss.run_local(run, 4, 1e-12, backend="thread")

@@ -17,7 +17,8 @@ from ..reducers.base import VALUE_DTYPES
 from ..reducers.registry import REDUCERS
 from .candidates import Candidate
 
-__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "LinkModel", "cpu_key", "mid"]
+__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "LinkModel", "PROBE_SURE_S", "cpu_key",
+           "mid"]
 
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
@@ -31,6 +32,9 @@ LEVELS = ("flat", "intra", "inter")
 #: probe sizes in values: the latency call, the first bandwidth call, its largest size, and how many
 #: times the small call's time the bandwidth call must take before it is large enough
 PROBE_SMALL, PROBE_START, PROBE_MAX, PROBE_RATIO = 256, 16384, 1 << 21, 4.0
+#: a bandwidth call at least this long stops the probe at once; a shorter one (a few ms of a rank
+#: descheduled can make it look bandwidth-bound) must be confirmed on twice its size
+PROBE_SURE_S = 0.02
 
 
 def _prior(cand: Candidate, device_type: str = "cpu") -> float:
@@ -66,12 +70,12 @@ class LinkModel:
 
         The small size (:data:`PROBE_SMALL` values) measures latency; the large one starts at
         :data:`PROBE_START` values and grows 8x, up to ``min(n, PROBE_MAX)``, until its call takes
-        :data:`PROBE_RATIO` times the small one's (bandwidth, not latency, dominates it) and so does
-        the call of twice its size, which the fit uses (one call slowed by a rank that lost its core
-        for a few milliseconds would otherwise stop the probe at a small size and read a fast link as
-        a slow one): on a slow link the probe stops at 128 KB, on a fast one it grows until the
-        bytes show. Each growth is decided from the maximum over ranks (one small all-gather), so
-        every rank sends the same sizes."""
+        :data:`PROBE_RATIO` times the small one's (bandwidth, not latency, dominates it) and, when it
+        took less than :data:`PROBE_SURE_S`, so does the call of twice its size, which the fit then
+        uses (a short call slowed by a rank that lost its core for a few milliseconds would otherwise
+        stop the probe early and read a fast link as a slow one): on a slow link the probe stops at
+        64-128 KB, on a fast one it grows until the bytes show. Each growth is decided from the
+        maximum over ranks (one small all-gather), so every rank sends the same sizes."""
         t0 = time.perf_counter()
         P = self.comm.world_size
         levels = [("flat", self.comm)]
@@ -90,10 +94,11 @@ class LinkModel:
                     break
                 worst_small, worst_large = self._gather([t_small, t_large], [])[0]
                 if worst_large >= PROBE_RATIO * worst_small:
-                    if seen:  # the second size in a row whose bytes dominate: not a rank descheduled once
+                    # a short call may be a rank off its core for a few ms: confirmed on twice the size
+                    if seen or worst_large >= PROBE_SURE_S:
                         break
                     seen = True
-                    large = min(cap, 2 * large)  # confirmed on twice the size
+                    large = min(cap, 2 * large)
                 else:
                     seen = False
                     large = min(cap, 8 * large)

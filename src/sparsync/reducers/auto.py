@@ -53,7 +53,7 @@ Re-decision: every ``check_every`` calls the ranks exchange their window's measu
 statistics (one small all-gather of control data). When the measured time per call of the active
 candidate differs from its prediction by more than ``deviation`` (``(measured + 5 ms) / (predicted +
 5 ms)`` outside ``[1/deviation, deviation]``) the link is probed at once (the probe sizes itself to
-the link: on a slow one its message stays at 128 KB): a bandwidth moved by more than 2x is a
+the link: on a slow one its message stays at 64-128 KB): a bandwidth moved by more than 2x is a
 decision now, within ``check_every`` calls of the change; else the candidates are scored again when
 a second window in a row is off the same way (one window slowed by a busy core is not a change of
 CPU time), and every ``decide_every`` calls (the measured time is the median over the candidate's
