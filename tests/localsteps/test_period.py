@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsync as ss
-from sparsync.localsteps.period import AutoPeriod, best_period, default_period_cost
+from sparsync.localsteps.period import START_PERIOD, AutoPeriod, best_period, default_period_cost
 from sparsync.threadcomm import ThreadWorld
 
 
@@ -49,11 +49,11 @@ def _step(model, dl, step, rank):
 
 def _inject(dl, rank):
     """Local steps take 10 ms on every rank; a synchronisation 50 ms x (rank + 1) (the slowest rank:
-    200 ms) until the 4th, then 1 ms: the link got fast."""
+    200 ms) until the 3rd, then 1 ms: the link got fast."""
     def hook(ev):
         if ev["event"] == "step":
             return {**ev, "seconds": 0.010}
-        return {**ev, "seconds": 0.05 * (rank + 1) if dl.outer_step < 4 else 0.001}
+        return {**ev, "seconds": 0.05 * (rank + 1) if dl.outer_step < 3 else 0.001}
     return hook
 
 
@@ -77,13 +77,13 @@ def test_every_rank_takes_the_same_period_and_it_follows_the_link():
     periods, params = res[0]
     assert all(p == periods and torch.equal(x, params) for p, x in res)
     H = [p["sync_every"] for p in periods]
-    # outer step 1: no local step measured yet; then sqrt(0.98 * 0.2 / (0.02 * 0.01)) = 31.3 from the
-    # slowest rank's 200 ms (rank 0 alone would say 16); once the median of the last three synchronisations
-    # is the fast link's: sqrt(0.98 * 0.001 / 0.0002) = 2.2
-    assert H[0] == 1 and H[1] == best_period(0.01, 0.2, 0.02) == 31, periods
-    assert periods[1]["sync_ms"] == pytest.approx(200.0)
-    assert [p["sync_every"] for p in periods if p["outer_step"] == 4] == [31], periods  # one fast sync: the median
-    late = [p["sync_every"] for p in periods if p["outer_step"] >= 5]
+    # the first synchronisation after START_PERIOD local steps: sqrt(0.98 * 0.2 / (0.02 * 0.01)) = 31.3
+    # from the slowest rank's 200 ms (rank 0 alone would say 16); once the median of the last three
+    # synchronisations is the fast link's: sqrt(0.98 * 0.001 / 0.0002) = 2.2
+    assert periods[0]["outer_step"] == 1 and H[0] == best_period(0.01, 0.2, 0.02) == 31, periods
+    assert periods[0]["sync_ms"] == pytest.approx(200.0) and periods[0]["compute_ms"] == pytest.approx(10.0)
+    assert [p["sync_every"] for p in periods if p["outer_step"] == 3] == [31], periods  # one fast sync: the median
+    late = [p["sync_every"] for p in periods if p["outer_step"] >= 4]
     assert late and all(h == best_period(0.01, 0.001, 0.02) == 2 for h in late), periods
 
 
@@ -140,7 +140,7 @@ def test_train_cli_sync_every_auto(tmp_path):
                "--no-progress"])
     assert rc in (0, None)
     rows = [json.loads(line) for line in (tmp_path / "p" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["sync_every"] == 1 and all(r["sync_every"] >= 1 for r in rows)
+    assert rows[0]["sync_every"] == START_PERIOD and all(r["sync_every"] >= 1 for r in rows)
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())
     assert all(c["sync_every"] >= 1 for c in summary.get("sync_every_changes", [{"sync_every": 1}]))
 

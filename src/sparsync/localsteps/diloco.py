@@ -153,7 +153,7 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         cost = default_period_cost(inner_optimizer) if period_cost is None else period_cost
         self.period = AutoPeriod(self.comm, cost, max_period) if auto else None  # (checks its options)
-        self.sync_every = 1 if auto else int(sync_every)
+        self.sync_every = self.period.period if auto else int(sync_every)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.reducer_name = reducer
         named = start_in_sync(module, comm, "DiLoCo", init_sync)

@@ -10,10 +10,12 @@ trade-off). Time to the target, ``m(H) (t_c + t_s / H)``, is smallest at
 
     H* = sqrt((1 - c) t_s / (c t_c))
 
-(the better of the two integers around it, in ``[1, max_period]``). The period starts at 1, so the
-first synchronisations measure ``t_s``, and is chosen again at every synchronisation from the median
-local step time since the previous one and the median of the last three synchronisation times - the
-maximum over ranks of both (one all-gather of two numbers), so every rank takes the same H.
+(the better of the two integers around it, in ``[1, max_period]``). The first period is
+:data:`START_PERIOD` steps (its local steps measure ``t_c``, its synchronisation ``t_s``: one
+synchronisation before the first choice - starting at H = 1 would pay two, a dense exchange over a
+slow link each); then H is chosen at every synchronisation from the median local step time since
+the previous one and the median of the last three synchronisation times - the maximum over ranks of
+both (one all-gather of two numbers), so every rank takes the same H.
 
 ``c`` (``period_cost``) is calibrated from measured steps to target of torch's post-local SGD at
 several H against synchronous training (docs/benchmarks.md, "Local steps"): digits MLP with Nesterov
@@ -29,12 +31,14 @@ import statistics
 
 import torch
 
-__all__ = ["PERIOD_COST", "MAX_PERIOD", "AutoPeriod", "best_period", "default_period_cost"]
+__all__ = ["PERIOD_COST", "MAX_PERIOD", "START_PERIOD", "AutoPeriod", "best_period", "default_period_cost"]
 
 #: c per inner-optimizer family (module docstring): Adam and its variants, every other optimizer
 PERIOD_COST = {"adam": 0.05, "sgd": 0.02}
 #: the largest period ``sync_every="auto"`` chooses unless told otherwise
 MAX_PERIOD = 64
+#: the first period: local steps to time before the first synchronisation
+START_PERIOD = 4
 _STEPS_KEPT = 16  # local step times kept (the median of those since the last synchronisation, at most these)
 _SYNCS_KEPT = 3   # synchronisation times whose median is t_s
 
@@ -68,7 +72,7 @@ class AutoPeriod:
         if isinstance(max_period, bool) or not isinstance(max_period, int) or max_period < 1:
             raise ValueError(f"max_period must be a positive integer, got {max_period!r}")
         self.comm, self.cost, self.max_period = comm, float(cost), max_period
-        self.period = 1
+        self.period = min(START_PERIOD, max_period)
         self.steps: list[float] = []   # local step times since the last synchronisation (the last few)
         self.syncs: list[float] = []   # the last synchronisation times
         self.history: list[dict] = []  # every choice: outer step, period, the times it came from
@@ -88,8 +92,8 @@ class AutoPeriod:
         t_c, t_s = (torch.stack([t.reshape(-1).cpu() for t in self.comm.allgather_control(mine)]).max(0).values.tolist()
                     if self.comm.world_size > 1 else mine.tolist())
         self.steps = []
-        # no local step measured yet (the first synchronisation follows the run's first step): stay at 1
-        self.period = best_period(t_c, t_s, self.cost, self.max_period) if t_c > 0 else 1
+        if t_c > 0:  # (a step measured since the last choice: always, unless max_period is 1)
+            self.period = best_period(t_c, t_s, self.cost, self.max_period)
         self.history.append({"outer_step": outer_step, "sync_every": self.period,
                              "compute_ms": round(1e3 * t_c, 3), "sync_ms": round(1e3 * t_s, 3)})
         return self.period
