@@ -61,7 +61,7 @@ def _build(comm, seed=0, **opts):
     model = _model(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
     dl = ss.DiLoCo(model, comm, opt, sync_every="auto", reducer="micro", density=0.1, **opts)
-    dl.period.timings = _inject(dl, comm.rank)
+    dl.auto_period.timings = _inject(dl, comm.rank)
     return model, opt, dl
 
 

@@ -152,8 +152,8 @@ class DiLoCo:
         self.module = module
         self.inner_optimizer = inner_optimizer
         cost = default_period_cost(inner_optimizer) if period_cost is None else period_cost
-        self.period = AutoPeriod(self.comm, cost, max_period) if auto else None  # (checks its options)
-        self.sync_every = self.period.period if auto else int(sync_every)
+        self.auto_period = AutoPeriod(self.comm, cost, max_period) if auto else None  # (checks its options)
+        self.sync_every = self.auto_period.period if auto else int(sync_every)
         self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
         self.reducer_name = reducer
         named = start_in_sync(module, comm, "DiLoCo", init_sync)
@@ -173,7 +173,7 @@ class DiLoCo:
     @property
     def periods(self) -> list[dict]:
         """``sync_every="auto"``: every choice (outer step, period, the times it came from); else []."""
-        return [] if self.period is None else list(self.period.history)
+        return [] if self.auto_period is None else list(self.auto_period.history)
 
     @property
     def reducers(self) -> list:
@@ -190,8 +190,8 @@ class DiLoCo:
         t0 = time.perf_counter()
         loss = self.inner_optimizer.step() if closure is None else self.inner_optimizer.step(closure)
         t1 = time.perf_counter()
-        if self.period is not None and self._last_end is not None:
-            self.period.step(t1 - self._last_end)  # forward, backward and inner step since the last call
+        if self.auto_period is not None and self._last_end is not None:
+            self.auto_period.step(t1 - self._last_end)  # forward, backward and inner step since the last call
         self.inner_step += 1
         if self.inner_step < self.sync_every:
             self.last_stats = {"synced": False, "outer_step": self.outer_step, "inner_s": t1 - t0, "outer_s": 0.0,
@@ -200,8 +200,8 @@ class DiLoCo:
         else:
             period = self.sync_every
             self.sync()
-            if self.period is not None:
-                self.sync_every = self.period.choose(self.last_stats["outer_s"], self.outer_step)
+            if self.auto_period is not None:
+                self.sync_every = self.auto_period.choose(self.last_stats["outer_s"], self.outer_step)
             self.last_stats.update(inner_s=t1 - t0, sync_every=period)
         self._last_end = time.perf_counter()
         return loss
@@ -235,8 +235,8 @@ class DiLoCo:
     def state_dict(self) -> dict:
         """Shared parameters, outer optimizer, cycle position and reducers' states (no process group)."""
         return {"format": STATE_FORMAT, "reducer": self.reducer_name,
-                "sync_every": "auto" if self.period is not None else self.sync_every,
-                "period": None if self.period is None else self.period.state_dict(),
+                "sync_every": "auto" if self.auto_period is not None else self.sync_every,
+                "period": None if self.auto_period is None else self.auto_period.state_dict(),
                 "inner_step": self.inner_step, "outer_step": self.outer_step,
                 "shared": [g.shared.detach().cpu().clone() for g in self.groups],
                 "outer_optimizer": self.outer_optimizer.state_dict(),
@@ -247,11 +247,11 @@ class DiLoCo:
         if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
             raise ValueError(f"not a DiLoCo state dict (format {d.get('format') if isinstance(d, dict) else None!r}, "
                              f"expected {STATE_FORMAT!r})")
-        mine = "auto" if self.period is not None else self.sync_every
+        mine = "auto" if self.auto_period is not None else self.sync_every
         if d["sync_every"] != mine or d["reducer"] != self.reducer_name:
             raise ValueError(f"DiLoCo state of sync_every={d['sync_every']}, reducer={d['reducer']!r} cannot be "
                              f"loaded into sync_every={mine}, reducer={self.reducer_name!r}")
-        period = int(d["period"]["period"]) if self.period is not None else self.sync_every
+        period = int(d["period"]["period"]) if self.auto_period is not None else self.sync_every
         shared = d["shared"]
         if len(shared) != len(self.groups) or any(s.shape != g.shared.shape for s, g in zip(shared, self.groups)):
             raise ValueError("DiLoCo state: the shared parameters do not match this module's parameter groups "
@@ -265,9 +265,9 @@ class DiLoCo:
         for r, g in zip(d["reducers"], self.groups):
             g.reducer.load_state_dict(r)
         self.inner_step, self.outer_step = int(d["inner_step"]), int(d["outer_step"])
-        if self.period is not None:
-            self.period.load_state_dict(d["period"])
-            self.sync_every = self.period.period
+        if self.auto_period is not None:
+            self.auto_period.load_state_dict(d["period"])
+            self.sync_every = self.auto_period.period
         self._last_end = None
 
     # the names SparseDDP uses for its own sparsync state (the trainer checkpoints either the same way)
