@@ -476,8 +476,11 @@ def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
 
     n = 4 * PROBE_MAX
 
-    def run(comm, beta, spread=30, hiccup=0.0):
-        sizes = []
+    def run(comm, beta, spread=30, hiccup=0.0, count=False):
+        sizes, calls = [], []
+        if count:  # each timed all-reduce follows a barrier
+            barrier = comm.barrier
+            comm.barrier = lambda *a, **k: (calls.append(1), barrier(*a, **k))[1]
 
         def hook(r, ev):
             if ev["event"] == "probe":
@@ -490,7 +493,7 @@ def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
         r = make_reducer("auto", comm, candidates="dense,micro:0.02")
         r.timings = hook
         r._probe(n)
-        return sizes, r.link["flat"][1]
+        return (sizes, len(calls)) if count else (sizes, r.link["flat"][1])
 
     slow = ss.run_local(run, 4, 1e-7, backend="thread")  # rank 1's call: 0.3 s
     assert all(s == [256, PROBE_START] for s, _ in slow), slow
@@ -500,6 +503,10 @@ def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
     late = ss.run_local(run, 4, 1e-10, 1, 0.01, backend="thread")
     assert all(s == late[0][0] and s[-1] > 2 * PROBE_START for s, _ in late), late
     assert all(abs(b / 1e-10 - 1) < 0.5 for _, b in late), late
+    # 64 KB in 3.5 ms (latency-bound): 8x that size is expected to take 28 ms, so it is timed once
+    # (twice for the rest); it takes 21 ms >= PROBE_SURE_S, bandwidth-bound: the probe stops there
+    once = ss.run_local(run, 4, 2.5e-8, 1, 0.0, True, backend="thread")
+    assert all(s == ([256, PROBE_START, 8 * PROBE_START], 5) for s in once), once
     fast = ss.run_local(run, 4, 1e-12, backend="thread")
     assert all(s == fast[0][0] for s, _ in fast) and fast[0][0][-1] == PROBE_MAX, fast
     mixed = ss.run_local(run, 4, 2e-10, backend="thread")  # rank 1 alone would stop at 8x START

@@ -87,9 +87,12 @@ class LinkModel:
         mine, sizes = [], []
         for level, c in levels:
             t_small = self._timed_allreduce(level, c, small)
-            large, seen = PROBE_START, False
+            large, seen, expect = PROBE_START, False, 0.0
             while True:
-                t_large = self._timed_allreduce(level, c, large)
+                # a call expected to take PROBE_SURE_S or more is timed once: a few ms of a rank off
+                # its core cannot dominate it (the expectation comes from gathered times: every rank
+                # makes the same number of calls)
+                t_large = self._timed_allreduce(level, c, large, once=expect >= PROBE_SURE_S)
                 if large >= cap:
                     break
                 worst_small, worst_large = self._gather([t_small, t_large], [])[0]
@@ -97,11 +100,11 @@ class LinkModel:
                     # a short call may be a rank off its core for a few ms: confirmed on twice the size
                     if seen or worst_large >= PROBE_SURE_S:
                         break
-                    seen = True
-                    large = min(cap, 2 * large)
+                    seen, grow = True, 2
                 else:
-                    seen = False
-                    large = min(cap, 8 * large)
+                    seen, grow = False, 8
+                expect = worst_large * min(cap, grow * large) / large  # the bytes' share grows with the size
+                large = min(cap, grow * large)
             mine += [t_small, t_large]
             sizes.append(large)
         worst = self._gather(mine, [])[0]
@@ -120,12 +123,12 @@ class LinkModel:
         self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
         return time.perf_counter() - t0
 
-    def _timed_allreduce(self, level: str, c, size: int) -> float:
-        """The fastest of ``probe_repeats`` all-reduces of ``size`` values on ``c`` (each after a
-        barrier, off the ledger)."""
+    def _timed_allreduce(self, level: str, c, size: int, once: bool = False) -> float:
+        """The fastest of ``probe_repeats`` all-reduces (``once``: one) of ``size`` values on ``c``
+        (each after a barrier, off the ledger)."""
         buf = torch.ones(size, device=self.comm.device)
         best = math.inf
-        for _ in range(self.probe_repeats):
+        for _ in range(1 if once else self.probe_repeats):
             self.comm.barrier()
             a = time.perf_counter()
             with c.unrecorded():
