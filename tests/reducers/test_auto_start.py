@@ -75,3 +75,35 @@ def _ddp(comm):
 
 def test_sparseddp_tells_auto_when_the_compute_started():
     assert all(g > 0 for g in ss.run_local(_ddp, 2, backend="thread"))
+
+
+def _estimates(comm, calls):
+    r = make_reducer("auto", comm, candidates="dense,micro:0.01,micro:0.05", link={"flat": (1e-6, 1e-12)},
+                     check_every=2, decide_every=10, warmup=1)
+    # every call as fast as dense's model says (no decision from a busy core)
+    r.timings = lambda r, ev: {**ev, "wire_s": 1e-5, "total_s": 2e-5} if ev["event"] == "call" else ev
+    for t in range(calls):
+        r.reduce(_heavy(N, 10 * t + comm.rank).float())
+    return r.choice, [d["reason"] for d in r.decisions]
+
+
+def test_while_dense_runs_the_kept_mass_estimate_is_made_for_decisions_only(monkeypatch):
+    # a fast link: dense from the start; checks every 2 calls, a periodic decision every 10: the
+    # estimate (for each of the three default densities) at the start and for the periodic decisions
+    # only, not at every check
+    import threading
+
+    import sparsync.autotune.kept as kept_module
+
+    made, lock, real = [], threading.Lock(), kept_module.kept_under_feedback
+
+    def counted(x, k, steps=2):
+        with lock:
+            made.append(k)
+        return real(x, k, steps)
+
+    monkeypatch.setattr(kept_module, "kept_under_feedback", counted)
+    res = ss.run_local(_estimates, 2, 25, backend="thread")
+    choice, reasons = res[0]
+    assert all(r == res[0] for r in res) and choice == "dense" and reasons.count("periodic") == 2, res
+    assert len(made) == 2 * 3 * (1 + reasons.count("periodic")), (len(made), reasons)  # ranks x densities x times

@@ -52,13 +52,20 @@ def penalty_factor(kept: float, c: float = PENALTY) -> float:
 
 class KeptMass:
     """The kept-mass part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads the
-    reducer's ``densities``, ``sample``, ``residual``, ``active`` and ``candidates``)."""
+    reducer's ``densities``, ``sample``, ``residual``, ``active``, ``candidates``, ``kept``,
+    ``since_decision`` and ``decide_every``)."""
 
     def _kept_local(self, grad: torch.Tensor) -> list[float]:
         """This rank's kept mass per density on a fixed sample of ``grad + residual`` (all 1 without a
-        sparse candidate: no decision reads it, so nothing is sampled)."""
+        sparse candidate: no decision reads it, so nothing is sampled). While a dense candidate runs
+        the estimate is made again only for the periodic decision (the values the ranks hold, which
+        they all hold alike, stand in between)."""
         if not any(c.sparse for c in self.candidates):
             return [1.0 for _ in self.densities]
+        dense_now = self.active is not None and not self.candidates[self.active].sparse
+        if dense_now and self.kept and self.since_decision < self.decide_every:
+            # no residual to measure: the estimate stands until the periodic decision refreshes it
+            return [self._kept_at(d) for d in self.densities]
         n = grad.numel()
         if self._sample_idx is None or self._sample_idx.numel() and int(self._sample_idx[-1]) >= n:
             g = torch.Generator().manual_seed(12345)  # the same positions on every rank and every call

@@ -21,7 +21,8 @@ What it decides from:
     formulas); the maximum over ranks;
 (b) **per-call times** of the active candidate: its wall time (``total_s``), its wire time
     (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
-    reduce). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
+    reduce; before the first call, the compute since ``compute_start``, which SparseDDP sets to the
+    start of backward). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
     total minus the predicted wire becomes that reducer's CPU overhead per element (priors
     :data:`~sparsync.autotune.link.CPU_PRIOR_S` until measured, scaled by how much slower than
     their priors the sparse reducers measured so far ran) - on shared cores a sparse call's "wire"
@@ -34,7 +35,9 @@ What it decides from:
     (``grad + residual`` of the active candidate), the fraction ``kept(d)`` of its squared mass that
     the largest ``d`` share of entries hold, per density (one sort of the sample, vectorised), mean
     over ranks. Under error feedback the accumulated vector spreads, so while a dense candidate runs
-    (no residual) the last value measured under a sparse one stands in.
+    (no residual) the last value measured under a sparse one stands in, and before any, the kept
+    mass of the vector two steps of error feedback would make of the sample
+    (:func:`~sparsync.autotune.kept.kept_under_feedback`).
 
 The objective is time per unit of progress: ``score = penalty(kept) * (gap + t_candidate)``, with
 the **convergence cost of low density** ``penalty(kept) = 1 + c * (1 - kept) / kept`` - the expected
