@@ -123,3 +123,45 @@ def _against_torch_ddp(comm):
 @pytest.mark.gloo
 def test_inplace_dense_equals_torch_ddp_gloo():
     assert max(ss.run_local(_against_torch_ddp, 2, backend="gloo", timeout=120)) < 1e-6
+
+
+def _auto_dense_in_the_input_buffer(comm):
+    # auto with a sparse candidate (indexed output) gathers fresh gradients into the input-only buffer;
+    # running dense, it reduces that buffer in place: the write-back must make it the .grad buffer (a
+    # swap of the two buffers' roles), not divide it into the other one - and give dense's bits
+    m = nn.Sequential(nn.Linear(64, 400), nn.Tanh(), nn.Linear(400, 4))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(0.2 * torch.randn(p.shape))
+    ref = copy.deepcopy(m)
+    fast = {"flat": (1e-6, 1e-12)}  # a declared fast link: dense is chosen and kept
+    ddp = ss.SparseDDP(m, comm, reducer="auto", reducer_options={"candidates": "dense,micro:0.05", "link": fast})
+    alone = ss.SparseDDP(ref, comm, reducer="dense")
+    auto = ddp.reducers[0]
+    results, swapped = [], []
+    real = auto.reduce
+
+    def reduce(x, **kw):
+        out = real(x, **kw)
+        results.append(out.untyped_storage().data_ptr())
+        return out
+
+    auto.reduce = reduce
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + comm.rank)
+        x = torch.randn(8, 64, generator=g)
+        for model, wrapped in ((m, ddp), (ref, alone)):
+            model.zero_grad(set_to_none=True)
+            wrapped(x).square().mean().backward()
+        assert torch.equal(_grads(m), _grads(ref)), f"step {step}: auto running dense differs from dense"
+        swapped.append(m[0].weight.grad.untyped_storage().data_ptr() == results[-1])  # where the sum was made
+    choice = auto.choice
+    ddp.close()
+    alone.close()
+    return choice, swapped
+
+
+def test_auto_running_dense_swaps_its_input_buffer_into_grad():
+    for choice, swapped in ss.run_local(_auto_dense_in_the_input_buffer, 2, backend="thread"):
+        assert choice == "dense" and all(swapped), (choice, swapped)

@@ -9,7 +9,9 @@ step every parameter's ``.grad`` is a view of its slice, so:
   ``.grad`` that autograd allocated after ``zero_grad(set_to_none=True)``, like DDP does) - never
   a ``torch.cat`` and never a fresh allocation;
 * **write back** (reducer output -> ``.grad``) is one pass that also divides by P:
-  ``torch.div(out, P, out=flat)``; when the output *is* the buffer it is ``flat.div_(P)``.
+  ``torch.div(out, P, out=flat)``; when the output *is* the buffer it is ``flat.div_(P)``, and when
+  it is the input-only buffer below (a donated input reduced in place), the two buffers swap roles
+  and it is ``div_`` too.
 
 Passes per dense step over a group of n entries (excluding the reducer): at most 1 copy in, 1 read
 (the non-finite check, :func:`~sparsync.schedule.guards.all_finite`), 1 divide-and-write out.
@@ -130,6 +132,13 @@ class GradBuffers:
             return
         flat = self._buffer(g)
         self.sparse_state[g] = None
+        inp = self.inputs[g]
+        if inp is not None and out.data_ptr() == inp[0].data_ptr() and out.numel() == inp[0].numel():
+            # the sum is in the input-only buffer (a donated input, reduced in place): it becomes the
+            # ``.grad`` buffer and the old one the input-only buffer - a swap, not a copy
+            self.inputs[g] = (flat, self.views[g])
+            self.flat[g], self.views[g] = inp
+            flat = inp[0]
         if out.data_ptr() == flat.data_ptr():
             if P > 1:
                 flat.div_(P)
