@@ -124,7 +124,9 @@ def test_instances_get_unique_names_and_subnets(needs_netns):
 
 
 _CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # an interactive program's SIGINT: a run started in the background by a shell inherits it ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from sparsync.cluster import EmulatedCluster
     cl = EmulatedCluster(2, bandwidth="100mbit").start()
     print(cl.base, cl._reaper[0], flush=True)
