@@ -18,8 +18,8 @@ the previous one and the median of the last three synchronisation times - the ma
 both (one all-gather of two numbers), so every rank takes the same H.
 
 ``c`` (``period_cost``) is calibrated from measured steps to target of torch's post-local SGD at
-several H against synchronous training (docs/benchmarks.md, "Local steps"): digits MLP with Nesterov
-SGD 45 steps at H = 8 against 40 (c = 0.018), the transformer with AdamW 1.34x at H = 8 (c = 0.049);
+several H against synchronous training, on the built-in workloads: the digits MLP with Nesterov SGD
+45 steps at H = 8 against 40 (c = 0.018), the transformer with AdamW 1.34x at H = 8 (c = 0.049);
 hence :data:`PERIOD_COST` per inner-optimizer family. A workload whose local steps cost more or less
 than these passes its own ``period_cost``.
 """
