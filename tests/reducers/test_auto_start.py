@@ -1,6 +1,7 @@
 """The start decision of ``reducer="auto"``: it cannot measure the kept mass under error feedback or the
 step's compute yet, so it estimates the first (:func:`~sparsync.autotune.kept.kept_under_feedback`) and
-is told the second by its caller (``compute_start``, which SparseDDP sets). Real thread ranks."""
+is told the second by its caller (``compute_start``, which SparseDDP sets); while a dense candidate
+runs, the estimate is made again for the periodic decisions only. Real thread ranks."""
 
 import math
 import time
