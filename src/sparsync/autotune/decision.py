@@ -15,7 +15,7 @@ import torch
 
 from .kept import penalty_factor
 
-__all__ = ["Decisions"]
+__all__ = ["Decisions", "max_and_mean"]
 
 _EPS_S = 5e-3  # slack in the deviation test: tiny wires do not trigger re-decisions on noise
 _HISTORY = 8   # window medians kept per candidate (since the last link change)
@@ -34,22 +34,26 @@ def _moved_far(moved: float) -> bool:
     return moved > _LINK_MOVED or moved < 1 / _LINK_MOVED
 
 
+def max_and_mean(comm, maxed: list[float], meaned: list[float]) -> tuple[list[float], list[float]]:
+    """(maximum over ranks of ``maxed``, mean over ranks of ``meaned``), the same on every rank: one
+    all-gather of control data, combined in rank order."""
+    mine = torch.tensor(list(maxed) + list(meaned), dtype=torch.float64, device=comm.device)
+    if comm.world_size == 1 or mine.numel() == 0:
+        return list(maxed), list(meaned)
+    rows = torch.stack([t.reshape(-1).cpu() for t in comm.allgather_control(mine)])
+    k = len(maxed)
+    hi = rows[:, :k].max(0).values.tolist() if k else []
+    mean = (rows[:, k:].sum(0) / rows.shape[0]).tolist() if len(meaned) else []
+    return hi, mean
+
+
 class Decisions:
     """The decision part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it uses the link
     model, the kept mass and the reducer's ``_switch``)."""
 
     # ------------------------------------------------------------------ (b) measurements
     def _gather(self, maxed: list[float], meaned: list[float]) -> tuple[list[float], list[float]]:
-        """(maximum over ranks of ``maxed``, mean over ranks of ``meaned``), the same on every rank:
-        one all-gather of control data, combined in rank order."""
-        mine = torch.tensor(list(maxed) + list(meaned), dtype=torch.float64, device=self.comm.device)
-        if self.comm.world_size == 1 or mine.numel() == 0:
-            return list(maxed), list(meaned)
-        rows = torch.stack([t.reshape(-1).cpu() for t in self.comm.allgather_control(mine)])
-        k = len(maxed)
-        hi = rows[:, :k].max(0).values.tolist() if k else []
-        mean = (rows[:, k:].sum(0) / rows.shape[0]).tolist() if len(meaned) else []
-        return hi, mean
+        return max_and_mean(self.comm, maxed, meaned)
 
     def _check(self, grad: torch.Tensor, alone: bool = False, beta_before: float | None = None) -> dict | None:
         """Every ``check_every`` calls: share the window, refit the link, maybe decide again.

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
+from ..autotune.decision import max_and_mean
 
 __all__ = ["PERIOD_COST", "MAX_PERIOD", "START_PERIOD", "AutoPeriod", "best_period", "default_period_cost"]
 
@@ -87,10 +87,8 @@ class AutoPeriod:
         if self.timings is not None:
             sync_seconds = self.timings({"event": "sync", "seconds": sync_seconds})["seconds"]
         self.syncs = (self.syncs + [float(sync_seconds)])[-_SYNCS_KEPT:]
-        mine = torch.tensor([statistics.median(self.steps) if self.steps else 0.0, statistics.median(self.syncs)],
-                            dtype=torch.float64, device=self.comm.device)
-        t_c, t_s = (torch.stack([t.reshape(-1).cpu() for t in self.comm.allgather_control(mine)]).max(0).values.tolist()
-                    if self.comm.world_size > 1 else mine.tolist())
+        mine = [statistics.median(self.steps) if self.steps else 0.0, statistics.median(self.syncs)]
+        t_c, t_s = max_and_mean(self.comm, mine, [])[0]
         self.steps = []
         if t_c > 0:  # (a step measured since the last choice: always, unless max_period is 1)
             self.period = best_period(t_c, t_s, self.cost, self.max_period)
