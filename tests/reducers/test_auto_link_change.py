@@ -60,6 +60,32 @@ def test_a_cpu_spike_after_a_wire_refit_is_not_called_a_link_change():
     assert abs(link["flat"][1] / BETA - 1) < 0.2, link
 
 
+def _run_counting(comm):
+    """:func:`_run`, recording every probe all-reduce as (step, values)."""
+    seen = []
+
+    def hook(r, ev):
+        if ev["event"] == "probe":
+            seen.append((r.step, ev["numel"]))
+        return _hook(r, ev)
+    decisions, _ = _run(comm, hook)
+    return decisions, seen
+
+
+def test_a_window_off_on_an_unchanged_link_is_rechecked_not_probed_again():
+    # the CPU spike from step 8 puts windows off their prediction: each time the probe's bandwidth
+    # call is timed once again (one call, the size the start's probe ended at), the link has not
+    # moved, and no full probe (its 256-value latency calls, its growing sizes) runs
+    res = ss.run_local(_run_counting, P, backend="thread")
+    decisions, seen = res[0]
+    assert all(d == decisions for d, _ in res)
+    start = [v for s, v in seen if s == 0]
+    later = [v for s, v in seen if s > 0]
+    assert start[0] == 256 and len(start) >= 3, seen  # the start's full probe
+    assert later and set(later) == {start[-1]}, seen  # re-checks only: the probe's bandwidth size, once each
+    assert any(d["step"] >= 8 and "the link did not" in d["reason"] for d in decisions), decisions
+
+
 def _drop_hook(r, ev):
     """The link (every probe and every call) is 10 MB/s until step 12, 0.5 MB/s from then on."""
     beta = BETA if r.step < 12 else 20 * BETA
@@ -75,7 +101,8 @@ def _drop_hook(r, ev):
 
 
 def test_a_link_drop_is_decided_at_the_first_window_that_sees_it():
-    # the first window off its prediction is probed at once: the probe sees the drop, so auto decides
+    # the first window off its prediction is re-checked at once and, its bandwidth call 20x slower,
+    # probed in full: the probe sees the drop, so auto decides
     # at the first check after it (step 15, its window the calls 12-14), not one window later
     # (penalty 0.5: a Gaussian gradient spreads under error feedback - its top 2 % keep ~0.1 - and
     # micro must win on the slow link)

@@ -461,7 +461,7 @@ def test_the_first_calls_of_a_run_are_not_measurements():
                            candidates="dense,micro:0.02", link=SLOW, check_every=5, warmup=warmup)
         early = [d for d in res[0] if 0 < d["step"] <= 5]
         assert all(d == res[0] for d in res)
-        assert bool(early and "CPU time changed" in early[0]["reason"]) == redecides, res[0]
+        assert bool(early and "vs predicted" in early[0]["reason"]) == redecides, res[0]
 
 
 def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():

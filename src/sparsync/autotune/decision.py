@@ -1,7 +1,8 @@
 """The decision of the ``auto`` reducer (:mod:`sparsync.reducers.auto`): every ``check_every`` calls
 the ranks share their window of measurements (one all-gather of control data: maximum of the times,
-mean of the kept mass, so every rank holds the same inputs); on a window off its prediction or every
-``decide_every`` calls the link is probed again; on a changed link, two windows off the same way or
+mean of the kept mass, so every rank holds the same inputs); a window off its prediction re-times the
+probe's bandwidth calls and probes the link again where they moved, and every ``decide_every`` calls
+it is probed again; on a changed link, two windows off the same way or
 every ``decide_every`` calls every candidate is scored
 ``penalty(kept) * (gap + t)``, with hysteresis ``margin``. The decision record (reason, predicted
 and scored milliseconds per candidate, penalties, kept mass, link) goes to ``stats["auto"]``.
@@ -14,12 +15,12 @@ import statistics
 import torch
 
 from .kept import penalty_factor
+from .link import LINK_MOVED
 
 __all__ = ["Decisions", "max_and_mean"]
 
 _EPS_S = 5e-3  # slack in the deviation test: tiny wires do not trigger re-decisions on noise
 _HISTORY = 8   # window medians kept per candidate (since the last link change)
-_LINK_MOVED = 2.0  # a probed bandwidth that moved by more than this factor is a changed link
 
 
 def _side(t: float, pred: float, factor: float) -> int:
@@ -31,7 +32,7 @@ def _side(t: float, pred: float, factor: float) -> int:
 
 def _moved_far(moved: float) -> bool:
     """Whether a bandwidth ratio (new beta / old beta) is a changed link."""
-    return moved > _LINK_MOVED or moved < 1 / _LINK_MOVED
+    return moved > LINK_MOVED or moved < 1 / LINK_MOVED
 
 
 def max_and_mean(comm, maxed: list[float], meaned: list[float]) -> tuple[list[float], list[float]]:
@@ -91,23 +92,29 @@ class Decisions:
             history = history[-1:]  # the candidate's time changed: the windows before no longer hold
         first = len(self.decisions) == 1  # the first window after the start: decide on measured times
         periodic = self.since_decision >= self.decide_every or first
-        # one window off is probed at once (the probe sizes itself to the link: it stays small on a
-        # slow one): a changed link is decided on now, a busy core waits for a second window. The
-        # start's probe is a few calls old at the first window: it stands unless the call is off.
-        probed = (deviated or off or (periodic and not first)) and can_probe and not just_probed
+        # The start's probe is a few calls old at the first window: it stands (a first window off its
+        # prediction is the CPU priors meeting this machine). Later, a window off is re-checked at
+        # once - the probe's bandwidth calls timed again - and probed in full only when they moved: a
+        # changed link is decided on now, a busy core waits for a second window. The periodic
+        # decision probes in full.
+        recheck = (deviated or off) and can_probe and not just_probed and not first
+        refresh = periodic and not first and can_probe and not just_probed
+        probed = refresh or (recheck and _moved_far(self._link_moved_quick()))
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
-        self._refit(cand, wire, total, n, from_call=not (probed or just_probed))
+        # a window off, where the link can be probed, says nothing of the link the probe or its
+        # re-check does not say better (its wire time holds waiting for slower ranks)
+        self._refit(cand, wire, total, n, from_call=not (probed or just_probed or (off and can_probe)))
         moved = self._beta(cand) / max(beta_before, 1e-30)
         # where the link can be probed, only a probe names a change (a call's wire time holds waiting)
         changed = _moved_far(moved) and (probed or just_probed or not can_probe)
         if changed or (periodic and not deviated):
             self.measured.clear()  # times measured on the old link (or long ago) no longer hold
             history = []
-        deviated = deviated or changed  # a link that changed is a reason to decide again
         self.measured[cand.spec] = (history + [total])[-_HISTORY:]
-        if deviated:
-            why = f"link changed (bandwidth x{1 / moved:.2f})" if changed else "CPU time changed (the link did not)"
+        if changed or deviated:  # a link that changed is a reason to decide again
+            why = (f"link changed (bandwidth x{1 / moved:.2f})" if changed else
+                   "first measurements (the start's probe stands)" if first else "CPU time changed (the link did not)")
             return self._decide(n, gap, kept, f"measured {1e3 * total:.1f} ms per call vs predicted "
                                               f"{1e3 * pred:.1f} ms (x{ratio:.2f}): {why}")
         if periodic:
@@ -117,8 +124,9 @@ class Decisions:
 
     def _watch(self, grad: torch.Tensor) -> dict | None:
         """Between checks: the previous call's time (maximum over ranks) against what the active
-        candidate measured. Off by more than ``watch``, the link is probed: if its bandwidth moved by
-        more than 2x the check runs now on that call alone; else it was the machine (a busy core),
+        candidate measured. Off by more than ``watch``, the probe's bandwidth calls are timed again,
+        and where they moved the link is probed: if its bandwidth moved by more than 2x the check runs
+        now on that call alone; else it was the machine (a busy core),
         which the regular check weighs. A declared link cannot be probed: the check runs."""
         total = self._gather([self.window[-1][1]], [])[0][0]
         cand = self.candidates[self.active]
@@ -128,6 +136,8 @@ class Decisions:
             self.window = self.window[-1:]
             return self._check(grad, alone=True)
         beta = self._probed_beta(cand)
+        if not _moved_far(self._link_moved_quick()):  # the probe's calls take what they took: the machine
+            return None
         self._probe(grad.numel())
         if _moved_far(self._beta(cand) / max(beta, 1e-30)):
             self.window = self.window[-1:]

@@ -17,8 +17,8 @@ from ..reducers.base import VALUE_DTYPES
 from ..reducers.registry import REDUCERS
 from .candidates import Candidate
 
-__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "LinkModel", "PROBE_SURE_S", "cpu_key",
-           "mid"]
+__all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "LINK_MOVED", "LinkModel", "PROBE_SURE_S",
+           "cpu_key", "mid"]
 
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
@@ -35,6 +35,8 @@ PROBE_SMALL, PROBE_START, PROBE_MAX, PROBE_RATIO = 256, 16384, 1 << 21, 4.0
 #: a bandwidth call at least this long stops the probe at once; a shorter one (a few ms of a rank
 #: descheduled can make it look bandwidth-bound) must be confirmed on twice its size
 PROBE_SURE_S = 0.02
+#: a probed bandwidth (or a re-check's call time) that moved by more than this factor is a changed link
+LINK_MOVED = 2.0
 
 
 def _prior(cand: Candidate, device_type: str = "cpu") -> float:
@@ -61,8 +63,9 @@ def _level(cand: Candidate) -> str:
 
 class LinkModel:
     """The link part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads and writes the
-    reducer's ``link``, ``probed`` and ``cpu``, reads ``comm``, ``layout``, ``measured``, ``candidate_options``,
-    ``probe_repeats``, ``timings`` and ``_last_cost``, and gathers with ``_gather``)."""
+    reducer's ``link``, ``probed``, ``probe_calls`` and ``cpu``, reads ``comm``, ``layout``,
+    ``measured``, ``candidate_options``, ``probe_repeats``, ``timings`` and ``_last_cost``, and
+    gathers with ``_gather``)."""
 
     # ------------------------------------------------------------------ (a) probe
     def _probe(self, n: int) -> float:
@@ -78,11 +81,7 @@ class LinkModel:
         maximum over ranks (one small all-gather), so every rank sends the same sizes."""
         t0 = time.perf_counter()
         P = self.comm.world_size
-        levels = [("flat", self.comm)]
-        if self.layout is not None and len(self.layout) > 1 and len(self.layout[0]) > 1:
-            s = len(self.layout[0])
-            levels.append(("intra", self.comm.split(self.layout)))
-            levels.append(("inter", self.comm.split([[site[j] for site in self.layout] for j in range(s)])))
+        levels = self._levels()
         small, cap = PROBE_SMALL, max(PROBE_START, min(n, PROBE_MAX))
         mine, sizes = [], []
         for level, c in levels:
@@ -121,7 +120,40 @@ class LinkModel:
         if P == 1:
             self.link["flat"] = [0.0, 0.0]
         self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
+        # what a re-check times again: each level's bandwidth call (its size, its time) and the fit
+        self.probe_calls = {level: [sizes[i], worst[2 * i + 1], *self.link[level]] for i, (level, _) in
+                            enumerate(levels)}
         return time.perf_counter() - t0
+
+    def _levels(self) -> list:
+        """(name, communicator) of every level the probe measures: the whole group; with several sites
+        of several ranks also inside a site and across the sites (one rank of each site)."""
+        levels = [("flat", self.comm)]
+        if self.layout is not None and len(self.layout) > 1 and len(self.layout[0]) > 1:
+            s = len(self.layout[0])
+            levels.append(("intra", self.comm.split(self.layout)))
+            levels.append(("inter", self.comm.split([[site[j] for site in self.layout] for j in range(s)])))
+        return levels
+
+    def _link_moved_quick(self) -> float:
+        """A re-check of the link, much cheaper than a probe: each level's last bandwidth call of the
+        probe (:attr:`probe_calls`), timed once again. Returns the largest factor by which a level's
+        time moved, either way (maximum over ranks; every rank gets the same). A moved link shows
+        here as it would in a full probe (the call's bytes dominate its time); infinity when there
+        is no probe to compare with. A link that did not move is the probe's again: its fit replaces
+        what calls' wire times refitted since (their waiting for slower ranks is not the link's)."""
+        calls = getattr(self, "probe_calls", None) or {}
+        levels = [(name, c) for name, c in self._levels() if name in calls]
+        if not levels:
+            return math.inf
+        times = [self._timed_allreduce(name, c, int(calls[name][0]), once=True) for name, c in levels]
+        worst = self._gather(times, [])[0]
+        then = [max(float(calls[name][1]), 1e-9) for name, _ in levels]
+        moved = max(max(t / b, b / max(t, 1e-9)) for t, b in zip(worst, then))
+        if moved <= LINK_MOVED:
+            for name, _ in levels:
+                self.link[name] = [float(calls[name][2]), float(calls[name][3])]
+        return moved
 
     def _timed_allreduce(self, level: str, c, size: int, once: bool = False) -> float:
         """The fastest of ``probe_repeats`` all-reduces (``once``: one) of ``size`` values on ``c``

@@ -12,9 +12,10 @@ fp16 values, and - when the ranks sit in several sites of several ranks (:func:`
 
 What it decides from:
 
-(a) **a probe** at the first call and again when a window's time is off its prediction or at a
-    periodic decision: ``probe_repeats`` timed all-reduces of two sizes per level (the whole group;
-    with sites, inside a site and across sites) - 256 values for the latency, and a size that grows
+(a) **a probe** at the first call and again at a periodic decision or when a window's time is off
+    its prediction and the probe's bandwidth calls, timed once again, moved: ``probe_repeats``
+    timed all-reduces of two sizes per level (the whole group; with sites, inside a site and across
+    sites) - 256 values for the latency, and a size that grows
     from 16 Ki values until the bytes dominate its time (:meth:`LinkModel._probe`) -, fitted to
     ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size`` bytes):
     latency alpha and inverse bandwidth beta per level (Hockney's model, as in the documents' cost
@@ -55,9 +56,11 @@ Values in fp16 are charged nothing.
 Re-decision: every ``check_every`` calls the ranks exchange their window's measurements and
 statistics (one small all-gather of control data). When the measured time per call of the active
 candidate differs from its prediction by more than ``deviation`` (``(measured + 5 ms) / (predicted +
-5 ms)`` outside ``[1/deviation, deviation]``) the link is probed at once (the probe sizes itself to
-the link: on a slow one its message stays at 64-128 KB): a bandwidth moved by more than 2x is a
-decision now, within ``check_every`` calls of the change; else the candidates are scored again when
+5 ms)`` outside ``[1/deviation, deviation]``) the link is re-checked at once - the probe's
+bandwidth call of each level timed once again (one call per level, a few ms) - and where that time
+moved by more than 2x probed in full: a bandwidth moved by more than 2x is a decision now, within
+``check_every`` calls of the change; the first window after the start is not re-checked (the start's
+probe is a few calls old; a first window off its prediction is the CPU priors meeting the machine); else the candidates are scored again when
 a second window in a row is off the same way (one window slowed by a busy core is not a change of
 CPU time), and every ``decide_every`` calls (the measured time is the median over the candidate's
 windows). Between checks an optional **watch** (``watch=3``; off by default: its all-gather at every call
@@ -184,6 +187,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
         self.probed: dict[str, float] = {}   # beta per level at the last probe (a re-probe's reference)
+        self.probe_calls: dict[str, list] = {}  # per level the probe's bandwidth call: [values, seconds]
         self.declared = link is not None  # a declared link is never re-probed
         if not probe and link is None:
             raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
@@ -244,8 +248,11 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                 key = repr(self.layout)
                 if key not in cache:
                     probe_s = self._probe(grad.numel())
-                    cache[key] = {k: list(v) for k, v in self.link.items()}
-                self.link = {k: list(v) for k, v in cache[key].items()}
+                    cache[key] = ({k: list(v) for k, v in self.link.items()}, dict(self.probed),
+                                  {k: list(v) for k, v in self.probe_calls.items()})
+                link, probed, calls = cache[key]
+                self.link = {k: list(v) for k, v in link.items()}
+                self.probed, self.probe_calls = dict(probed), {k: list(v) for k, v in calls.items()}
             # the step's compute so far (when the caller said when it began: compute_start), max over ranks
             (hint,), kept = self._gather([0.0 if gap is None else gap], self._kept_local(grad))
             decision = self._decide(grad.numel(), hint, kept, "start")
@@ -297,7 +304,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
                 "link": {k: list(v) for k, v in self.link.items()}, "probed": dict(self.probed),
-                "cpu": dict(self.cpu), "measured": {k: list(v) for k, v in self.measured.items()},
+                "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu), "measured": {k: list(v) for k, v in self.measured.items()},
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
                 "decisions": list(self.decisions),
@@ -311,6 +318,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
         self.probed = dict(d.get("probed") or {})
+        self.probe_calls = {k: list(v) for k, v in (d.get("probe_calls") or {}).items()}
         self.cpu = dict(d.get("cpu") or {})
         self.measured = {k: (list(v) if isinstance(v, (list, tuple)) else [float(v)])
                          for k, v in (d.get("measured") or {}).items()}
