@@ -83,10 +83,10 @@ class LinkModel:
         P = self.comm.world_size
         levels = self._levels()
         small, cap = PROBE_SMALL, max(PROBE_START, min(n, PROBE_MAX))
-        mine, sizes = [], []
+        mine, sizes, checks = [], [], []
         for level, c in levels:
             t_small = self._timed_allreduce(level, c, small)
-            large, seen, expect = PROBE_START, False, 0.0
+            large, seen, expect, check = PROBE_START, None, 0.0, None
             while True:
                 # a call expected to take PROBE_SURE_S or more is timed once: a few ms of a rank off
                 # its core cannot dominate it (the expectation comes from gathered times: every rank
@@ -98,14 +98,16 @@ class LinkModel:
                 if worst_large >= PROBE_RATIO * worst_small:
                     # a short call may be a rank off its core for a few ms: confirmed on twice the size
                     if seen or worst_large >= PROBE_SURE_S:
+                        check = seen or [large, worst_large]  # the least size whose bytes dominate
                         break
-                    seen, grow = True, 2
+                    seen, grow = [large, worst_large], 2
                 else:
-                    seen, grow = False, 8
+                    seen, grow = None, 8
                 expect = worst_large * min(cap, grow * large) / large  # the bytes' share grows with the size
                 large = min(cap, grow * large)
             mine += [t_small, t_large]
             sizes.append(large)
+            checks.append(check)
         worst = self._gather(mine, [])[0]
         for i, (level, c) in enumerate(levels):
             p, large = c.world_size, sizes[i]
@@ -120,9 +122,11 @@ class LinkModel:
         if P == 1:
             self.link["flat"] = [0.0, 0.0]
         self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
-        # what a re-check times again: each level's bandwidth call (its size, its time) and the fit
-        self.probe_calls = {level: [sizes[i], worst[2 * i + 1], *self.link[level]] for i, (level, _) in
-                            enumerate(levels)}
+        # what a re-check times again: per level the least size whose bytes dominated its call (on a
+        # link that then slows 10x the re-check costs 10x that call, not 10x the largest one), its time
+        # and the fit
+        self.probe_calls = {level: [*(checks[i] or [sizes[i], worst[2 * i + 1]]), *self.link[level]]
+                            for i, (level, _) in enumerate(levels)}
         return time.perf_counter() - t0
 
     def _levels(self) -> list:
@@ -136,8 +140,8 @@ class LinkModel:
         return levels
 
     def _link_moved_quick(self) -> float:
-        """A re-check of the link, much cheaper than a probe: each level's last bandwidth call of the
-        probe (:attr:`probe_calls`), timed once again. Returns the largest factor by which a level's
+        """A re-check of the link, much cheaper than a probe: per level the probe's least call whose
+        bytes dominated its time (:attr:`probe_calls`), timed once again. Returns the largest factor by which a level's
         time moved, either way (maximum over ranks; every rank gets the same). A moved link shows
         here as it would in a full probe (the call's bytes dominate its time); infinity when there
         is no probe to compare with. A link that did not move is the probe's again: its fit replaces
