@@ -493,16 +493,16 @@ def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
         r = make_reducer("auto", comm, candidates="dense,micro:0.02")
         r.timings = hook
         r._probe(n)
-        return (sizes, len(calls)) if count else (sizes, r.link["flat"][1], r.probe_calls["flat"][0])
+        return (sizes, len(calls)) if count else (sizes, r.link["flat"][1], *r.probe_calls["flat"][:2])
 
     slow = ss.run_local(run, 4, 1e-7, backend="thread")  # rank 1's call: 0.3 s
     assert all(s == [256, PROBE_START] for s, *_ in slow), slow
     short = ss.run_local(run, 4, 7e-8, 1, backend="thread")  # 8 ms: bandwidth-bound, but short
     assert 4e-3 < 1e-3 + 7e-8 * 6 * PROBE_START < PROBE_SURE_S
-    assert all(s == [256, PROBE_START, 2 * PROBE_START] and abs(b / 7e-8 - 1) < 0.01 for s, b, _ in short), short
+    assert all(s == [256, PROBE_START, 2 * PROBE_START] and abs(b / 7e-8 - 1) < 0.01 for s, b, *_ in short), short
     late = ss.run_local(run, 4, 1e-10, 1, 0.01, backend="thread")
     assert all(s == late[0][0] and s[-1] > 2 * PROBE_START for s, *_ in late), late
-    assert all(abs(b / 1e-10 - 1) < 0.5 for _, b, _ in late), late
+    assert all(abs(b / 1e-10 - 1) < 0.5 for _, b, *_ in late), late
     # 64 KB in 3.5 ms (latency-bound): 8x that size is expected to take 28 ms, so it is timed once
     # (twice for the rest); it takes 21 ms >= PROBE_SURE_S, bandwidth-bound: the probe stops there
     once = ss.run_local(run, 4, 2.5e-8, 1, 0.0, True, backend="thread")
@@ -511,9 +511,11 @@ def test_probe_grows_until_bytes_dominate_and_ranks_send_the_same_sizes():
     assert all(s == fast[0][0] for s, *_ in fast) and fast[0][0][-1] == PROBE_MAX, fast
     mixed = ss.run_local(run, 4, 2e-10, backend="thread")  # rank 1 alone would stop at 8x START
     assert all(s == mixed[0][0] for s, *_ in mixed), mixed
-    # what a re-check times again: the least size whose bytes dominated (the confirmed one, not its
-    # confirmation at twice the size), or the cap where none did
+    # what a re-check times: the bandwidth call's size halved until the probe puts it at most
+    # RECHECK_S (10 ms) - 16 Ki values where even that takes longer (slow: 0.3 s) or where twice it
+    # would (short: 8 / 16 ms); the cap where that takes 1.4 ms (fast) - and the time put there
     assert [r[2] for r in slow + short + fast] == [PROBE_START] * 8 + [PROBE_MAX] * 4
+    assert [round(1e3 * r[3], 1) for r in short] == [7.9] * 4, short
 
 
 def test_sparseddp_gets_the_sparse_candidates_indexed_result():

@@ -18,7 +18,7 @@ from ..reducers.registry import REDUCERS
 from .candidates import Candidate
 
 __all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LEVELS", "LINK_MOVED", "LinkModel", "PROBE_SURE_S",
-           "cpu_key", "mid"]
+           "RECHECK_S", "cpu_key", "mid"]
 
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies; a 2-core machine with 4 ranks); a measured value replaces them
@@ -37,6 +37,9 @@ PROBE_SMALL, PROBE_START, PROBE_MAX, PROBE_RATIO = 256, 16384, 1 << 21, 4.0
 PROBE_SURE_S = 0.02
 #: a probed bandwidth (or a re-check's call time) that moved by more than this factor is a changed link
 LINK_MOVED = 2.0
+#: what a re-check's call takes on the link as probed (at least :data:`PROBE_START` values): a rate
+#: drop of 3x or more moves it past :data:`LINK_MOVED` even where latency is half of it
+RECHECK_S = 0.01
 
 
 def _prior(cand: Candidate, device_type: str = "cpu") -> float:
@@ -83,10 +86,10 @@ class LinkModel:
         P = self.comm.world_size
         levels = self._levels()
         small, cap = PROBE_SMALL, max(PROBE_START, min(n, PROBE_MAX))
-        mine, sizes, checks = [], [], []
+        mine, sizes = [], []
         for level, c in levels:
             t_small = self._timed_allreduce(level, c, small)
-            large, seen, expect, check = PROBE_START, None, 0.0, None
+            large, seen, expect = PROBE_START, False, 0.0
             while True:
                 # a call expected to take PROBE_SURE_S or more is timed once: a few ms of a rank off
                 # its core cannot dominate it (the expectation comes from gathered times: every rank
@@ -98,17 +101,16 @@ class LinkModel:
                 if worst_large >= PROBE_RATIO * worst_small:
                     # a short call may be a rank off its core for a few ms: confirmed on twice the size
                     if seen or worst_large >= PROBE_SURE_S:
-                        check = seen or [large, worst_large]  # the least size whose bytes dominate
                         break
-                    seen, grow = [large, worst_large], 2
+                    seen, grow = True, 2
                 else:
-                    seen, grow = None, 8
+                    seen, grow = False, 8
                 expect = worst_large * min(cap, grow * large) / large  # the bytes' share grows with the size
                 large = min(cap, grow * large)
             mine += [t_small, t_large]
             sizes.append(large)
-            checks.append(check)
         worst = self._gather(mine, [])[0]
+        self.probe_calls = {}
         for i, (level, c) in enumerate(levels):
             p, large = c.world_size, sizes[i]
             t_s, t_l = worst[2 * i], worst[2 * i + 1]
@@ -119,14 +121,16 @@ class LinkModel:
             beta = max(1e-12, (t_l - t_s) / max(1.0, b_l - b_s), 0.5 * t_l / max(1.0, b_l))
             alpha = max(1e-7, (t_s - beta * b_s) / rounds)
             self.link[level] = [alpha, beta]
+            # what a re-check times: a size halved from the bandwidth call's until the two calls put
+            # it (linear in the size between them) at most RECHECK_S - on a link 10x slower it costs
+            # ~10x that, not 10x the bandwidth call -, the time they put it at, and the fit
+            slope, check = max(0.0, t_l - t_s) / max(1, large - small), large
+            while check // 2 >= PROBE_START and t_s + slope * (check - small) > RECHECK_S:
+                check //= 2
+            self.probe_calls[level] = [check, t_s + slope * (check - small), alpha, beta]
         if P == 1:
             self.link["flat"] = [0.0, 0.0]
         self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
-        # what a re-check times again: per level the least size whose bytes dominated its call (on a
-        # link that then slows 10x the re-check costs 10x that call, not 10x the largest one), its time
-        # and the fit
-        self.probe_calls = {level: [*(checks[i] or [sizes[i], worst[2 * i + 1]]), *self.link[level]]
-                            for i, (level, _) in enumerate(levels)}
         return time.perf_counter() - t0
 
     def _levels(self) -> list:
@@ -140,8 +144,9 @@ class LinkModel:
         return levels
 
     def _link_moved_quick(self) -> float:
-        """A re-check of the link, much cheaper than a probe: per level the probe's least call whose
-        bytes dominated its time (:attr:`probe_calls`), timed once again. Returns the largest factor by which a level's
+        """A re-check of the link, much cheaper than a probe: per level one all-reduce of the size
+        the probe chose for it (:attr:`probe_calls`: about :data:`RECHECK_S` on the probed link),
+        timed once. Returns the largest factor by which a level's
         time moved, either way (maximum over ranks; every rank gets the same). A moved link shows
         here as it would in a full probe (the call's bytes dominate its time); infinity when there
         is no probe to compare with. A link that did not move is the probe's again: its fit replaces
