@@ -56,20 +56,21 @@ Values in fp16 are charged nothing.
 Re-decision: every ``check_every`` calls the ranks exchange their window's measurements and
 statistics (one small all-gather of control data). When the measured time per call of the active
 candidate differs from its prediction by more than ``deviation`` (``(measured + 5 ms) / (predicted +
-5 ms)`` outside ``[1/deviation, deviation]``) the link is re-checked at once - the probe's
-bandwidth call of each level timed once again (one call per level, a few ms) - and where that time
-moved by more than 2x probed in full: a bandwidth moved by more than 2x is a decision now, within
-``check_every`` calls of the change; the first window after the start is not re-checked (the start's
-probe is a few calls old; a first window off its prediction is the CPU priors meeting the machine); else the candidates are scored again when
-a second window in a row is off the same way (one window slowed by a busy core is not a change of
-CPU time), and every ``decide_every`` calls (the measured time is the median over the candidate's
-windows). Between checks an optional **watch** (``watch=3``; off by default: its all-gather at every call
-cost 16-80 ms per call on a shaped emulated link, more than it saves) reacts to an abrupt change: at
-every call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
+5 ms)`` outside ``[1/deviation, deviation]``) the link is re-checked at once - one all-reduce per
+level of the size the probe puts at ~10 ms (:data:`~sparsync.autotune.link.RECHECK_S`), timed once -
+and where that time moved by more than 2x probed in full: a bandwidth moved by more than 2x is a
+decision now, within ``check_every`` calls of the change. The first window after the start is not
+re-checked (the start's probe is a few calls old; a first window off its prediction is the CPU
+priors meeting the machine). Else the candidates are scored again when a second window in a row is
+off the same way (one window slowed by a busy core is not a change of CPU time), and every
+``decide_every`` calls (the measured time is the median over the candidate's windows). Between
+checks an optional **watch** (``watch=3``; off by default: its all-gather at every call cost 16-80
+ms per call on a shaped emulated link, more than it saves) reacts to an abrupt change: at every
+call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
 number); when it is off the time that candidate measured at its last check by more than ``watch``
-(the factor), the link is probed, and if its bandwidth moved by more than 2x the check runs at
-once on that call alone - a link whose rate drops costs one slow step, not ``check_every``; a call
-slowed by a busy core leaves the choice alone. The reason names
+(the factor), the link is re-checked and, where that moved, probed; if its bandwidth moved by
+more than 2x the check runs at once on that call alone - a link whose rate drops costs one slow
+step, not ``check_every``; a call slowed by a busy core leaves the choice alone. The reason names
 a link change when the probed bandwidth moved by more than 2x, else a
 change of CPU time. **Every rank makes the same decision**: it decides from the
 all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
@@ -304,7 +305,8 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
                 "link": {k: list(v) for k, v in self.link.items()}, "probed": dict(self.probed),
-                "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu), "measured": {k: list(v) for k, v in self.measured.items()},
+                "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu),
+                "measured": {k: list(v) for k, v in self.measured.items()},
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
                 "decisions": list(self.decisions),
