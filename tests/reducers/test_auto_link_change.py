@@ -60,6 +60,15 @@ def test_a_cpu_spike_after_a_wire_refit_is_not_called_a_link_change():
     assert abs(link["flat"][1] / BETA - 1) < 0.2, link
 
 
+def test_a_calls_waiting_wire_time_does_not_move_the_probed_link():
+    # steps 4-7: the calls' wire time is 4x the link's (waiting for slower ranks), their total as
+    # predicted: the link stays what the probe read (refitted from those wire times, every candidate
+    # crossing it would look 4x slower than it is)
+    res = ss.run_local(_run, P, _hook, 8, backend="thread")
+    for decisions, link in res:
+        assert abs(link["flat"][1] / BETA - 1) < 0.2, (link, decisions)
+
+
 def _run_counting(comm):
     """:func:`_run`, recording every probe all-reduce as (step, values)."""
     seen = []

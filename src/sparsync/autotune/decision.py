@@ -102,9 +102,11 @@ class Decisions:
         probed = refresh or (recheck and _moved_far(self._link_moved_quick()))
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
-        # a window off, where the link can be probed, says nothing of the link the probe or its
-        # re-check does not say better (its wire time holds waiting for slower ranks)
-        self._refit(cand, wire, total, n, from_call=not (probed or just_probed or (off and can_probe)))
+        # where the link can be probed, the probe and its re-check are its measure: a call's wire time
+        # holds its waiting for slower ranks (a sparse call's mostly), which is CPU, not link - read
+        # as the link it made every flat candidate look 4x slower than it was. A declared link is
+        # refitted from bandwidth-bound calls.
+        self._refit(cand, wire, total, n, from_call=not (probed or just_probed or can_probe))
         moved = self._beta(cand) / max(beta_before, 1e-30)
         # where the link can be probed, only a probe names a change (a call's wire time holds waiting)
         changed = _moved_far(moved) and (probed or just_probed or not can_probe)

@@ -23,7 +23,8 @@ What it decides from:
 (b) **per-call times** of the active candidate: its wall time (``total_s``), its wire time
     (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
     reduce; before the first call, the compute since ``compute_start``, which SparseDDP sets to the
-    start of backward). A bandwidth-bound call (dense) refits the level's beta from its wire time; the measured
+    start of backward). Where the link is declared (``link=``, no probe) a bandwidth-bound call
+    refits the level's beta from its wire time; a probed link is only ever the probe's. The measured
     total minus the predicted wire becomes that reducer's CPU overhead per element (priors
     :data:`~sparsync.autotune.link.CPU_PRIOR_S` until measured, scaled by how much slower than
     their priors the sparse reducers measured so far ran) - on shared cores a sparse call's "wire"
@@ -78,7 +79,8 @@ tie-breaking (the candidates' order) and a hysteresis (``margin``: the active ca
 another scores ``margin`` lower, default 10 %).
 
 The first ``warmup`` calls of a run (allocations, first connections, a machine warming up) and the
-first call of each newly chosen candidate (its set-up) are not measurements.
+first call of each newly chosen candidate (its set-up) are not measurements; the first window after
+the start decision is read once it holds ``check_every - 1`` measured calls.
 
 Switching never loses gradient: the old candidate's residual is added to the first input of the new
 one (:func:`_carry_residual`), so the conservation identity of :mod:`sparsync.reducers.base` holds
@@ -258,7 +260,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
             (hint,), kept = self._gather([0.0 if gap is None else gap], self._kept_local(grad))
             decision = self._decide(grad.numel(), hint, kept, "start")
             decision["probe_s"] = probe_s
-        elif self.step % self.check_every == 0 and len(self.window) >= 2:
+        elif self.step % self.check_every == 0 and len(self.window) >= self._window_needed():
             decision = self._check(grad)
         elif self.watch and self.window and self.candidates[self.active].spec in self.measured:
             decision = self._watch(grad)
@@ -285,6 +287,12 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.stats["auto"] = {"choice": self.choice, **({"decision": decision} if decision else {})}
         self._last_end = time.perf_counter()
         return out
+
+    def _window_needed(self) -> int:
+        """Measured calls a window needs before a check reads it: 2; the first window after the start
+        decision ``check_every - 1`` (it decides on measured times, and one busy core in a window of
+        two made auto leave the right candidate for a run)."""
+        return max(2, self.check_every - 1) if len(self.decisions) == 1 else 2
 
     def _switch(self, i: int) -> None:
         c = self.candidates[i]
