@@ -121,3 +121,29 @@ def test_a_link_drop_is_decided_at_the_first_window_that_sees_it():
     after = [d for d in res[0] if d["step"] >= 12]
     assert after[0]["step"] == 15 and "link changed" in after[0]["reason"], res[0]
     assert after[0]["chosen"] == "micro:0.02" and after[0]["switched"], res[0]
+
+
+def _misread_start_hook(r, ev):
+    """The start's probe reads a link 100x slower than it is (a rank off its core); every later
+    call and probe the real one."""
+    beta = 100 * BETA if r.step == 0 else BETA
+    if ev["event"] == "probe":
+        return _probe(r, ev, beta)
+    if ev["event"] == "call":
+        c = r._last_cost
+        w = _ring(c["bytes_received"], c["rounds"])
+        return {**ev, "wire_s": w, "total_s": w + 1e-4}
+    if ev["event"] == "window":
+        return {**ev, "gap_s": 0.01}
+    return ev
+
+
+def test_a_start_probe_that_misread_the_link_is_caught_at_the_first_window():
+    # the start's probe reads 0.1 MB/s: auto starts on micro; the first window re-checks the link
+    # (one call), finds it 100x faster, probes it in full and moves to dense (penalty 1.0: micro's
+    # kept mass makes dense the better choice on the real link)
+    res = [d for d, _ in ss.run_local(_run, P, _misread_start_hook, 12, 5, backend="thread")]
+    assert all(d == res[0] for d in res)
+    assert res[0][0]["chosen"] == "micro:0.02", res[0]
+    assert res[0][1]["step"] == 10 and "link changed" in res[0][1]["reason"], res[0]
+    assert res[0][1]["chosen"] == "dense" and res[0][1]["switched"], res[0]

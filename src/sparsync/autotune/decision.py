@@ -92,12 +92,13 @@ class Decisions:
             history = history[-1:]  # the candidate's time changed: the windows before no longer hold
         first = len(self.decisions) == 1  # the first window after the start: decide on measured times
         periodic = self.since_decision >= self.decide_every or first
-        # The start's probe is a few calls old at the first window: it stands (a first window off its
-        # prediction is the CPU priors meeting this machine). Later, a window off is re-checked at
-        # once - the probe's bandwidth calls timed again - and probed in full only when they moved: a
-        # changed link is decided on now, a busy core waits for a second window. The periodic
-        # decision probes in full.
-        recheck = (deviated or off) and can_probe and not just_probed and not first
+        # A window off is re-checked at once - one call per level of the size the probe put at
+        # RECHECK_S - and probed in full only when that moved: a changed link is decided on now, a
+        # busy core waits for a second window. The first window is re-checked whatever its time (a
+        # start probe that a rank off its core made read a fast link as a slow one shows there; a
+        # first window off its prediction is otherwise the CPU priors meeting this machine). The
+        # periodic decision probes in full.
+        recheck = (deviated or off or first) and can_probe and not just_probed
         refresh = periodic and not first and can_probe and not just_probed
         probed = refresh or (recheck and _moved_far(self._link_moved_quick()))
         if probed:  # measure the link again: a changed link shows here, CPU contention does not

@@ -60,9 +60,9 @@ candidate differs from its prediction by more than ``deviation`` (``(measured + 
 5 ms)`` outside ``[1/deviation, deviation]``) the link is re-checked at once - one all-reduce per
 level of the size the probe puts at ~10 ms (:data:`~sparsync.autotune.link.RECHECK_S`), timed once -
 and where that time moved by more than 2x probed in full: a bandwidth moved by more than 2x is a
-decision now, within ``check_every`` calls of the change. The first window after the start is not
-re-checked (the start's probe is a few calls old; a first window off its prediction is the CPU
-priors meeting the machine). Else the candidates are scored again when a second window in a row is
+decision now, within ``check_every`` calls of the change. The first window after the start is
+re-checked whatever its time: a start probe that a rank off its core made read a fast link as a slow
+one shows there. Else the candidates are scored again when a second window in a row is
 off the same way (one window slowed by a busy core is not a change of CPU time), and every
 ``decide_every`` calls (the measured time is the median over the candidate's windows). Between
 checks an optional **watch** (``watch=3``; off by default: its all-gather at every call cost 16-80
