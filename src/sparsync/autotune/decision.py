@@ -1,8 +1,8 @@
 """The decision of the ``auto`` reducer (:mod:`sparsync.reducers.auto`): every ``check_every`` calls
 the ranks share their window of measurements (one all-gather of control data: maximum of the times,
-mean of the kept mass, so every rank holds the same inputs); a window off its prediction re-times the
-probe's bandwidth calls and probes the link again where they moved, and every ``decide_every`` calls
-it is probed again; on a changed link, two windows off the same way or
+mean of the kept mass, so every rank holds the same inputs); the first window and a window off its
+prediction re-check the link (one all-reduce per level) and probe it again where that moved, and every
+``decide_every`` calls it is probed again; on a changed link, two windows off the same way or
 every ``decide_every`` calls every candidate is scored
 ``penalty(kept) * (gap + t)``, with hysteresis ``margin``. The decision record (reason, predicted
 and scored milliseconds per candidate, penalties, kept mass, link) goes to ``stats["auto"]``.
@@ -127,8 +127,8 @@ class Decisions:
 
     def _watch(self, grad: torch.Tensor) -> dict | None:
         """Between checks: the previous call's time (maximum over ranks) against what the active
-        candidate measured. Off by more than ``watch``, the probe's bandwidth calls are timed again,
-        and where they moved the link is probed: if its bandwidth moved by more than 2x the check runs
+        candidate measured. Off by more than ``watch``, the link is re-checked (one all-reduce per
+        level) and, where that moved, probed: if its bandwidth moved by more than 2x the check runs
         now on that call alone; else it was the machine (a busy core),
         which the regular check weighs. A declared link cannot be probed: the check runs."""
         total = self._gather([self.window[-1][1]], [])[0][0]
@@ -139,7 +139,7 @@ class Decisions:
             self.window = self.window[-1:]
             return self._check(grad, alone=True)
         beta = self._probed_beta(cand)
-        if not _moved_far(self._link_moved_quick()):  # the probe's calls take what they took: the machine
+        if not _moved_far(self._link_moved_quick()):  # the re-check's call took what it took: the machine
             return None
         self._probe(grad.numel())
         if _moved_far(self._beta(cand) / max(beta, 1e-30)):

@@ -146,10 +146,10 @@ class LinkModel:
     def _link_moved_quick(self) -> float:
         """A re-check of the link, much cheaper than a probe: per level one all-reduce of the size
         the probe chose for it (:attr:`probe_calls`: about :data:`RECHECK_S` on the probed link),
-        timed once. Returns the largest factor by which a level's
-        time moved, either way (maximum over ranks; every rank gets the same). A moved link shows
-        here as it would in a full probe (the call's bytes dominate its time); infinity when there
-        is no probe to compare with. A link that did not move is the probe's again: its fit replaces
+        timed once. Returns the largest factor by which a level's time moved, either way (maximum
+        over ranks; every rank gets the same); infinity when there is no probe to compare with.
+        Its time is measured under whatever load the machine has then, like the probe's it is
+        compared with: a probe taken on a loaded machine reads the link slower than it is. A link that did not move is the probe's again: its fit replaces
         what calls' wire times refitted since (their waiting for slower ranks is not the link's)."""
         calls = getattr(self, "probe_calls", None) or {}
         levels = [(name, c) for name, c in self._levels() if name in calls]

@@ -12,8 +12,8 @@ fp16 values, and - when the ranks sit in several sites of several ranks (:func:`
 
 What it decides from:
 
-(a) **a probe** at the first call and again at a periodic decision or when a window's time is off
-    its prediction and the probe's bandwidth calls, timed once again, moved: ``probe_repeats``
+(a) **a probe** at the first call and again at a periodic decision or when a re-check of the link
+    (one all-reduce per level, see below) moved: ``probe_repeats``
     timed all-reduces of two sizes per level (the whole group; with sites, inside a site and across
     sites) - 256 values for the latency, and a size that grows
     from 16 Ki values until the bytes dominate its time (:meth:`LinkModel._probe`) -, fitted to
@@ -190,7 +190,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
         self.probed: dict[str, float] = {}   # beta per level at the last probe (a re-probe's reference)
-        self.probe_calls: dict[str, list] = {}  # per level the probe's bandwidth call: [values, seconds]
+        self.probe_calls: dict[str, list] = {}  # per level the re-check's call: [values, seconds, alpha, beta]
         self.declared = link is not None  # a declared link is never re-probed
         if not probe and link is None:
             raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
