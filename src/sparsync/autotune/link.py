@@ -149,8 +149,8 @@ class LinkModel:
         timed once. Returns the largest factor by which a level's time moved, either way (maximum
         over ranks; every rank gets the same); infinity when there is no probe to compare with.
         Its time is measured under whatever load the machine has then, like the probe's it is
-        compared with: a probe taken on a loaded machine reads the link slower than it is. A link that did not move is the probe's again: its fit replaces
-        what calls' wire times refitted since (their waiting for slower ranks is not the link's)."""
+        compared with: a probe taken on a loaded machine reads the link slower than it is. A link
+        that did not move keeps (gets back) the probe's fit."""
         calls = getattr(self, "probe_calls", None) or {}
         levels = [(name, c) for name, c in self._levels() if name in calls]
         if not levels:
