@@ -75,7 +75,7 @@ class Decisions:
         cand = self.candidates[self.active]
         just_probed = beta_before is not None
         if not just_probed:
-            beta_before = self._probed_beta(cand)
+            beta_before = self._beta(cand)
         can_probe = self.probe and not self.declared
         pred = self._predict(cand, n)
         # the candidate's time: the median of its windows since the last link change, so that one
@@ -103,14 +103,13 @@ class Decisions:
         probed = refresh or (recheck and _moved_far(self._link_moved_quick()))
         if probed:  # measure the link again: a changed link shows here, CPU contention does not
             self._probe(n)
-        # where the link can be probed, the probe and its re-check are its measure: a call's wire time
-        # holds its waiting for slower ranks (a sparse call's mostly), which is CPU, not link - read
-        # as the link it made every flat candidate look 4x slower than it was. A declared link is
-        # refitted from bandwidth-bound calls.
-        self._refit(cand, wire, total, n, from_call=not (probed or just_probed or can_probe))
+        # where the link can be probed, only the probe measures it: a call's wire time holds its
+        # waiting for slower ranks (a sparse call's mostly), which is CPU, not link - read as the link
+        # it made every flat candidate look 4x slower than it was. A declared link is refitted from
+        # bandwidth-bound calls.
+        self._refit(cand, wire, total, n, from_call=not can_probe)
         moved = self._beta(cand) / max(beta_before, 1e-30)
-        # where the link can be probed, only a probe names a change (a call's wire time holds waiting)
-        changed = _moved_far(moved) and (probed or just_probed or not can_probe)
+        changed = _moved_far(moved)  # (a probed link moves only when probed)
         if changed or (periodic and not deviated):
             self.measured.clear()  # times measured on the old link (or long ago) no longer hold
             history = []
@@ -138,7 +137,7 @@ class Decisions:
         if not self.probe or self.declared:
             self.window = self.window[-1:]
             return self._check(grad, alone=True)
-        beta = self._probed_beta(cand)
+        beta = self._beta(cand)
         if not _moved_far(self._link_moved_quick()):  # the re-check's call took what it took: the machine
             return None
         self._probe(grad.numel())

@@ -66,7 +66,7 @@ def _level(cand: Candidate) -> str:
 
 class LinkModel:
     """The link part of :class:`~sparsync.reducers.auto.AutoReducer` (a mixin: it reads and writes the
-    reducer's ``link``, ``probed``, ``probe_calls`` and ``cpu``, reads ``comm``, ``layout``,
+    reducer's ``link``, ``probe_calls`` and ``cpu``, reads ``comm``, ``layout``,
     ``measured``, ``candidate_options``, ``probe_repeats``, ``timings`` and ``_last_cost``, and
     gathers with ``_gather``)."""
 
@@ -123,14 +123,13 @@ class LinkModel:
             self.link[level] = [alpha, beta]
             # what a re-check times: a size halved from the bandwidth call's until the two calls put
             # it (linear in the size between them) at most RECHECK_S - on a link 10x slower it costs
-            # ~10x that, not 10x the bandwidth call -, the time they put it at, and the fit
+            # ~10x that, not 10x the bandwidth call -, and the time they put it at
             slope, check = max(0.0, t_l - t_s) / max(1, large - small), large
             while check // 2 >= PROBE_START and t_s + slope * (check - small) > RECHECK_S:
                 check //= 2
-            self.probe_calls[level] = [check, t_s + slope * (check - small), alpha, beta]
+            self.probe_calls[level] = [check, t_s + slope * (check - small)]
         if P == 1:
             self.link["flat"] = [0.0, 0.0]
-        self.probed = {k: v[1] for k, v in self.link.items()}  # what a re-probe is compared with
         return time.perf_counter() - t0
 
     def _levels(self) -> list:
@@ -149,20 +148,15 @@ class LinkModel:
         timed once. Returns the largest factor by which a level's time moved, either way (maximum
         over ranks; every rank gets the same); infinity when there is no probe to compare with.
         Its time is measured under whatever load the machine has then, like the probe's it is
-        compared with: a probe taken on a loaded machine reads the link slower than it is. A link
-        that did not move keeps (gets back) the probe's fit."""
-        calls = getattr(self, "probe_calls", None) or {}
+        compared with: a probe taken on a loaded machine reads the link slower than it is."""
+        calls = self.probe_calls
         levels = [(name, c) for name, c in self._levels() if name in calls]
         if not levels:
             return math.inf
         times = [self._timed_allreduce(name, c, int(calls[name][0]), once=True) for name, c in levels]
         worst = self._gather(times, [])[0]
         then = [max(float(calls[name][1]), 1e-9) for name, _ in levels]
-        moved = max(max(t / b, b / max(t, 1e-9)) for t, b in zip(worst, then))
-        if moved <= LINK_MOVED:
-            for name, _ in levels:
-                self.link[name] = [float(calls[name][2]), float(calls[name][3])]
-        return moved
+        return max(max(t / b, b / max(t, 1e-9)) for t, b in zip(worst, then))
 
     def _timed_allreduce(self, level: str, c, size: int, once: bool = False) -> float:
         """The fastest of ``probe_repeats`` all-reduces (``once``: one) of ``size`` values on ``c``
@@ -232,13 +226,6 @@ class LinkModel:
     def _beta(self, cand: Candidate) -> float:
         """Inverse bandwidth now of the level the candidate's payload crosses (between sites for hier)."""
         return self.link.get(_level(cand), self.link["flat"])[1]
-
-    def _probed_beta(self, cand: Candidate) -> float:
-        """That level's inverse bandwidth at the last probe, what a re-probe is compared with: a beta
-        refitted since from a call's wire time holds the call's waiting for slower ranks on shared
-        cores, and reading it back down would name a link change that did not happen. A declared
-        link is never probed: its current beta."""
-        return self.probed.get(_level(cand), self._beta(cand))
 
     def _predict(self, cand: Candidate, n: int) -> float:
         """The candidate's time per call: what it measured since the last link change when it ran

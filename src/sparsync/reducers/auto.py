@@ -189,8 +189,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         self.warmup = warmup
         self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
         self.link: dict[str, list[float]] = {}
-        self.probed: dict[str, float] = {}   # beta per level at the last probe (a re-probe's reference)
-        self.probe_calls: dict[str, list] = {}  # per level the re-check's call: [values, seconds, alpha, beta]
+        self.probe_calls: dict[str, list] = {}  # per level the re-check's call: [values, seconds]
         self.declared = link is not None  # a declared link is never re-probed
         if not probe and link is None:
             raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
@@ -251,11 +250,11 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                 key = repr(self.layout)
                 if key not in cache:
                     probe_s = self._probe(grad.numel())
-                    cache[key] = ({k: list(v) for k, v in self.link.items()}, dict(self.probed),
+                    cache[key] = ({k: list(v) for k, v in self.link.items()},
                                   {k: list(v) for k, v in self.probe_calls.items()})
-                link, probed, calls = cache[key]
+                link, calls = cache[key]
                 self.link = {k: list(v) for k, v in link.items()}
-                self.probed, self.probe_calls = dict(probed), {k: list(v) for k, v in calls.items()}
+                self.probe_calls = {k: list(v) for k, v in calls.items()}
             # the step's compute so far (when the caller said when it began: compute_start), max over ranks
             (hint,), kept = self._gather([0.0 if gap is None else gap], self._kept_local(grad))
             decision = self._decide(grad.numel(), hint, kept, "start")
@@ -312,7 +311,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
-                "link": {k: list(v) for k, v in self.link.items()}, "probed": dict(self.probed),
+                "link": {k: list(v) for k, v in self.link.items()},
                 "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu),
                 "measured": {k: list(v) for k, v in self.measured.items()},
                 "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
@@ -327,7 +326,6 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         if d.get("candidates") is not None and d["candidates"] != specs:
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
-        self.probed = dict(d.get("probed") or {})
         self.probe_calls = {k: list(v) for k, v in (d.get("probe_calls") or {}).items()}
         self.cpu = dict(d.get("cpu") or {})
         self.measured = {k: (list(v) if isinstance(v, (list, tuple)) else [float(v)])
