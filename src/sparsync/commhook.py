@@ -61,7 +61,7 @@ class DDPHook:
     weights_only=True))`` on a fresh hook - ``weights_only=True``, so a crafted file cannot run code -
     and register it again (``model.register_comm_hook(model, hook)`` gives it the module for the
     per-parameter layout). ``torch.save(hook, f)`` also works, like PowerSGD's state, but loading a
-    pickled object needs ``weights_only=False``: only for files you trust.
+    pickled object means full unpickling (``weights_only`` off): only for files you trust.
     The state is **per rank** (residuals: what this rank has not sent yet) and records ``rank`` and
     ``world_size``; loading another rank's state raises ``ValueError`` (another world size: a
     warning). For a checkpoint that one rank writes, ``hook.gathered_state_dict()`` (a collective)

@@ -107,7 +107,7 @@ def _single_writer_resume(comm, path):
     if rank == 0:  # one writer, as Lightning / accelerate / the HF Trainer do
         torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "hook": gathered}, path)
     dist.barrier()
-    blob = torch.load(path, weights_only=False)
+    blob = torch.load(path, weights_only=True)
 
     model2, hook2, opt2 = _ddp(seed=7)
     model2.module.load_state_dict(blob["model"])

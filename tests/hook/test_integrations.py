@@ -85,3 +85,40 @@ def test_missing_client_is_one_line_and_package_imports_none(mod, client):
     assert out.returncode == 0, out.stderr
     msg = out.stdout.strip()
     assert f"pip install {client}" in msg and "\n" not in msg, msg
+
+
+_CRAFTED = r"""
+import os, sys, types, pickle, tempfile, torch, torch.distributed as dist
+out, marker = sys.argv[1], sys.argv[2]
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {marker}",))
+
+dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=0, world_size=1)
+import sparsync.integrations.hf as hf
+ckpt = os.path.join(out, "checkpoint-3")
+os.makedirs(ckpt)
+torch.save({"sparsync_gathered": 1, "world_size": 1, "states": [Payload()]}, os.path.join(ckpt, hf.FILE_NAME))
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+cb = hf.SparsyncTrainerCallback(types.SimpleNamespace(model_wrapped=model), "topka", density=0.5)
+try:
+    cb.on_train_begin(types.SimpleNamespace(world_size=1, output_dir=out), types.SimpleNamespace(global_step=3), None)
+except ValueError as e:
+    print("REFUSED", e)
+dist.destroy_process_group()
+"""
+
+
+def test_crafted_hf_checkpoint_runs_no_code(tmp_path):
+    """A ``sparsync_hook.pt`` whose pickle calls ``os.system`` on load: the callback refuses it in one
+    line naming the file, and the payload never runs (its marker file is not created)."""
+    pytest.importorskip("transformers")
+    marker = tmp_path / "payload-ran"
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", _CRAFTED, str(tmp_path), str(marker)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not marker.exists(), "the crafted checkpoint ran its payload"
+    line = [x for x in out.stdout.splitlines() if x.startswith("REFUSED")]
+    assert line and "sparsync_hook.pt" in line[0], out.stdout

@@ -51,3 +51,19 @@ def require(module: str, pip_name: str):
     except ImportError as e:
         raise ImportError(f"this sparsync integration needs {pip_name!r}: pip install {pip_name} "
                           f"(with your torch pinned, e.g. pip install 'torch==2.13.*' {pip_name})") from e
+
+
+def load_state_file(path) -> dict:
+    """A hook state written with ``torch.save`` (e.g. the HF callback's ``sparsync_hook.pt``), read
+    as data only (``torch.load(..., weights_only=True)``: tensors and plain containers), so a crafted
+    file cannot run code. Anything else raises a one-line ``ValueError`` naming the file."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{path}: not a sparsync hook state (only tensors and plain data load): {first}") from None
+

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from . import GatheredState, register, require
+from . import GatheredState, load_state_file, register, require
 
 _tf = require("transformers", "transformers")
 
@@ -57,7 +57,7 @@ class SparsyncTrainerCallback(_tf.TrainerCallback):
                                                       f"{state.global_step}")
             path = os.path.join(folder, FILE_NAME)
             if os.path.isfile(path):
-                self.hook.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+                self.hook.load_state_dict(load_state_file(path))  # data only: a crafted file runs nothing
             else:
                 warnings.warn(f"SparsyncTrainerCallback: resumed at step {state.global_step} but {path} does not "
                               "exist: the hook starts with empty residuals (pass resume_from=)", stacklevel=2)

@@ -8,14 +8,12 @@ a :class:`~sparsync.launch.failures.RankFailed` naming the culprit, or returns w
 
 from __future__ import annotations
 
-import io
 import multiprocessing.connection as mpc
 import signal
 import time
 
-import torch
 
-from .failures import RankFailed, is_connection_error, proc_state
+from .failures import RankFailed, decode_report, is_connection_error, proc_state
 
 __all__ = ["blame_dead", "blame_stopped", "blame_stuck", "how_died", "reported_cause", "stall_grace"]
 
@@ -63,7 +61,7 @@ def reported_cause(pending, wait_s: float = 0.5):
     for c in mpc.wait(list(pending), timeout=wait_s):
         r = pending.pop(c)
         try:
-            status, value = torch.load(io.BytesIO(c.recv_bytes()), weights_only=False)
+            status, value = decode_report(c.recv_bytes())
         except (EOFError, OSError):
             continue
         if status == "error" and not is_connection_error(value[0]):

@@ -9,7 +9,23 @@ rank instead.
 
 from __future__ import annotations
 
-__all__ = ["RankFailed", "is_connection_error", "name_rank", "proc_state", "process_alive"]
+import pickle
+
+__all__ = ["RankFailed", "decode_report", "encode_report", "is_connection_error", "name_rank", "proc_state",
+           "process_alive"]
+
+
+def encode_report(payload) -> bytes:
+    """A rank's report to its launcher, ``("ok", result)`` or ``("error", (exc, traceback))``, as bytes."""
+    return pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_report(data: bytes):
+    """:func:`encode_report`'s payload. It comes over a pipe from a child process this launcher
+    started (as :mod:`multiprocessing` unpickles its own children's results), never from a file or a
+    peer: exception objects and the user's return values need full pickling here, while state read
+    from files or gathered from peers is loaded as data only (``torch.load(..., weights_only=True)``)."""
+    return pickle.loads(data)
 
 
 class RankFailed(RuntimeError):

@@ -15,7 +15,6 @@ run here (:func:`pick_start_method`).
 
 from __future__ import annotations
 
-import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 
 from .blame import blame_dead, blame_stopped, blame_stuck, how_died, reported_cause, stall_grace
-from .failures import RankFailed, is_connection_error, name_rank
+from .failures import RankFailed, decode_report, encode_report, is_connection_error, name_rank
 from .orphans import REAPERS, become_rank, rank_process_name, signals_stop_ranks, stop_reaper, watch_parent
 
 __all__ = ["AUTOGRAD_THREAD_PREFIX", "STARTUP_S", "STORE_PREFIX", "autograd_threads_started", "pick_start_method",
@@ -92,9 +91,7 @@ def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placem
                              f"{type(why).__name__}: {why})")
         payload = ("error", (exc, tb))
     try:
-        buf = io.BytesIO()
-        torch.save(payload, buf)
-        conn.send_bytes(buf.getvalue())
+        conn.send_bytes(encode_report(payload))
     except BaseException:  # noqa: BLE001
         status = "error"
     finally:
@@ -225,8 +222,7 @@ def _collect(procs, conns, world_size, timeout, beats=None, time_limit=None):
             except (EOFError, OSError):
                 procs[r].join(timeout=2)
                 raise RankFailed(f"rank {r} of {world_size} died without reporting ({how_died(procs[r])})") from None
-            # our own forked child's report (exception objects included): trusted, not a file
-            status, value = torch.load(io.BytesIO(data), weights_only=False)
+            status, value = decode_report(data)
             if status == "error":
                 exc, tb = value
                 then = f"rank {r} then failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

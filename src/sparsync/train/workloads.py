@@ -230,7 +230,7 @@ def _lm_tokens(vocab: int, max_tokens: int) -> torch.Tensor:
     tpath = cpath.with_name(cpath.stem + f"-v{vocab}.pt")
     if tpath.exists():
         try:
-            return torch.load(tpath)
+            return torch.load(tpath, weights_only=True)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # a broken cache: rebuilt below
             tpath.unlink(missing_ok=True)
     counts = collections.Counter(words)
@@ -297,7 +297,7 @@ def _chars(max_words: int) -> torch.Tensor:
     path = cache_dir() / f"{cpath.stem}-chars{int(max_words)}.pt"
     if path.exists():
         try:
-            return torch.load(path)
+            return torch.load(path, weights_only=True)
         except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):  # a broken cache: rebuilt below
             path.unlink(missing_ok=True)
     text = " ".join(words[: int(max_words)]).encode("ascii")
