@@ -264,11 +264,19 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
         elif self.watch and self.window and self.candidates[self.active].spec in self.measured:
             decision = self._watch(grad)
         x = grad if self._carry is None else grad + self._carry  # (a sum of its own: auto's to give)
-        self._carry = None
         cand = self._cand
         # an IndexedSum where the candidate makes one (base.reduce densifies it for a caller that did
-        # not ask for one); the input passed on as donated when the caller donated it, or it is auto's
-        out = cand.reduce(x, indexed=True, donate=self.donated or x is not grad)
+        # not ask for one); the input passed on as donated when the caller donated it, or it is auto's.
+        # The carry is dropped only once the candidate took it (a call that raises absorbed nothing).
+        try:
+            out = cand.reduce(x, indexed=True, donate=self.donated or x is not grad)
+        except FloatingPointError as e:
+            if self._carry is not None and bool(torch.isfinite(grad).all()):
+                raise FloatingPointError(f"auto.reduce: the gradient is finite but its sum with the residual "
+                                         f"carried from an earlier candidate is not (the residual overflowed; "
+                                         f"step {self.step})") from e
+            raise
+        self._carry = None
         st = cand.stats
         ev = {"wire_s": float(st.get("comm_s", 0.0)), "total_s": float(st.get("total_s", 0.0))}
         self._last_cost = {k: st.get(k, 0) for k in ("rounds", "bytes_received", "intra_rounds",
@@ -321,10 +329,28 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                 "carry": None if self._carry is None else self._carry.detach().cpu().clone(),
                 "candidate": None if self._cand is None else self._cand.state_dict()}
 
-    def _load_extra_state(self, d: dict) -> None:
+    def _check_extra_state(self, d: dict, numel) -> None:
         specs = [c.spec for c in self.candidates]
         if d.get("candidates") is not None and d["candidates"] != specs:
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
+        a = d.get("active")
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < len(specs)):
+            raise ValueError(f"auto state: active must be a candidate index in [0, {len(specs)}), got {a!r}")
+        carry = d.get("carry")
+        if carry is not None and not (isinstance(carry, torch.Tensor) and carry.dim() == 1
+                                      and carry.dtype.is_floating_point and carry.numel() == numel
+                                      and bool(torch.isfinite(carry).all())):
+            shape = tuple(carry.shape) if isinstance(carry, torch.Tensor) else type(carry).__name__
+            raise ValueError(f"auto state: the carried residual must be a finite 1-D float tensor of {numel} "
+                             f"entries, got {shape}")
+        if d.get("candidate") is not None and a is None:
+            raise ValueError("auto state: a candidate's state without an active candidate")
+        for key in ("since_decision", "fresh"):
+            v = d.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"auto state: {key} must be an integer >= 0, got {v!r}")
+
+    def _load_extra_state(self, d: dict) -> None:
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
         self.probe_calls = {k: list(v) for k, v in (d.get("probe_calls") or {}).items()}
         self.cpu = dict(d.get("cpu") or {})

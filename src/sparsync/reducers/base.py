@@ -49,11 +49,11 @@ from typing import NamedTuple
 
 import torch
 
-from .. import rankstate
 from ..recycle import recycled
 from ..select.topk import check_density
 from ..sparse import set_at
 from .memory import ErrorFeedback, cpu_copy, round_to_wire, sum_checked, sums_finite
+from .resume import load_reducer_state
 
 __all__ = ["Reducer", "IndexedSum", "CAPABILITIES", "NONFINITE_POLICIES", "VALUE_DTYPES", "check_capabilities"]
 
@@ -258,18 +258,10 @@ class Reducer:
         }
 
     def load_state_dict(self, d: dict) -> None:
-        """Load :meth:`state_dict`'s result. Another rank's state of the same world size raises
-        ``ValueError`` (residuals are per rank); one from another world size loads."""
-        if d.get("name") != self.name:
-            raise ValueError(f"state of reducer {d.get('name')!r} cannot be loaded into {self.name!r}")
-        rankstate.own(d, self.comm.rank, self.comm.world_size, f"{self.name} reducer", warn=False)
-        self.step = int(d["step"])
-        self.numel = d["numel"]
-        res = d["residual"]
-        self.residual = None if res is None else res.to(self.comm.device).clone()
-        if self.memory is not None:
-            self.memory.forget_buffers()
-        self._load_extra_state(d.get("extra") or {})
+        """Load :meth:`state_dict`'s result, checked whole first (:mod:`.resume`: a one-line
+        ``ValueError`` and nothing changed; another rank's state is refused); a state from another
+        world size loads its residual only, the rest of the method starting fresh."""
+        load_reducer_state(self, d)
 
     @classmethod
     def predicted_cost(cls, P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, **options):
@@ -292,6 +284,10 @@ class Reducer:
 
     def _load_extra_state(self, d: dict) -> None:
         pass
+
+    def _check_extra_state(self, d: dict, numel: int | None) -> None:
+        """Raise a one-line ``ValueError`` when :meth:`_load_extra_state` cannot take ``d`` (a state
+        of this world size, for a gradient of ``numel`` entries); called before anything changes."""
 
     @property
     def k(self) -> int:
@@ -410,6 +406,9 @@ class Reducer:
             raise ValueError(f"{self.name}.reduce needs a non-empty gradient, got 0 elements")
         if self.numel is None:
             self._check_setup_same(grad)
+            if self.residual is not None and self.residual.numel() != grad.numel():  # a resumed state's
+                raise ValueError(f"{self.name}.reduce: gradient has {grad.numel()} elements, the loaded "
+                                 f"residual {self.residual.numel()}")
             self.numel = grad.numel()
         elif grad.numel() != self.numel:
             raise ValueError(f"{self.name}.reduce: gradient has {grad.numel()} elements, "

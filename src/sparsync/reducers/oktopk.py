@@ -244,6 +244,20 @@ class OkTopkReducer(Reducer):
     def _load_extra_state(self, s):
         self.th_local, self.th_global, self.bounds = s.get("th_local"), s.get("th_global"), s.get("bounds")
 
+    def _check_extra_state(self, s, numel):
+        """The partition must cut ``[0, numel)`` into this world's ``P`` ordered regions (a partition of
+        another size would leave entries in no region); thresholds are finite magnitudes."""
+        P, b = self.comm.world_size, s.get("bounds")
+        if b is not None and not (isinstance(b, (list, tuple)) and len(b) == P + 1
+                                  and all(isinstance(x, int) and not isinstance(x, bool) for x in b)
+                                  and b[0] == 0 and b[-1] == numel and all(x <= y for x, y in zip(b, b[1:]))):
+            raise ValueError(f"oktopk reducer state: bounds {b!r} are not {P} ordered regions of [0, {numel})")
+        for key in ("th_local", "th_global"):
+            th = s.get(key)
+            bad = isinstance(th, bool) or not isinstance(th, (int, float)) or not 0 <= th < float("inf")
+            if th is not None and bad:
+                raise ValueError(f"oktopk reducer state: {key} must be a finite magnitude >= 0, got {th!r}")
+
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, recompute_every=1, **_):
         """This code's ledger on a step without re-balancing, maximum over ranks: ``2(P-1)`` rounds
