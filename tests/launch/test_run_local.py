@@ -161,11 +161,31 @@ def test_ranks_spawn_once_autograd_device_threads_run():
         assert launch._pick_start_method(None) == "spawn"
         assert launch._pick_start_method("fork") == "fork"  # an explicit choice is kept
         # a local function cannot be sent to a spawned rank: forked (collectives need no backward)
-        assert launch._pick_start_method(None, (lambda comm: comm.rank, (), {}, None)) == "fork"
+        with pytest.warns(UserWarning, match="module-level function"):
+            assert launch._pick_start_method(None, (lambda comm: comm.rank, (), {}, None)) == "fork"
         assert launch._pick_start_method(None, (_backward_on_rank, (), {}, None)) == "spawn"
-        assert ss.run_local(lambda comm: comm.allreduce(torch.ones(2)).tolist(), 2, backend="gloo",
-                            timeout=60) == [[2.0, 2.0]] * 2
+        with pytest.warns(UserWarning, match="module-level function"):
+            assert ss.run_local(lambda comm: comm.allreduce(torch.ones(2)).tolist(), 2, backend="gloo",
+                                timeout=60) == [[2.0, 2.0]] * 2
         assert ss.run_local(_backward_on_rank, 2, backend="gloo", timeout=60) == [18.0, 18.0]  # 3 * 2 * (1 + 2)
     finally:
         stop.set()
         t.join(10)
+
+
+def _env_of_rank(comm):
+    import os
+
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("SPARSYNC_TEST_ENV")
+
+
+def test_env_is_set_in_every_rank_before_it_runs():
+    """``run_local(..., env=)`` sets the variables in every rank process (how CPU ranks of a baseline
+    that torch breaks on GPU machines - PowerSGD's hook synchronises CUDA for CPU gradients - are
+    run with the GPUs hidden); thread ranks share this process and refuse it in one line."""
+    got = ss.run_local(_env_of_rank, 2, backend="gloo", timeout=60,
+                       env={"CUDA_VISIBLE_DEVICES": "", "SPARSYNC_TEST_ENV": "x"})
+    assert got == [("", "x")] * 2
+    with pytest.raises(ValueError, match="backend='gloo'"):
+        ss.run_local(_env_of_rank, 2, backend="thread", env={"A": "1"})
+

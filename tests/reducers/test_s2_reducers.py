@@ -80,21 +80,24 @@ def test_consistent_on_1_to_16_thread_ranks():
         _check_conservation(results, P)
 
 
+def _gloo_worker(comm):
+    """Module-level, so that a machine where autograd's device threads already run (a GPU machine)
+    spawns these ranks: the embedding gradients need a backward pass, which a forked rank cannot run there."""
+    torch.set_num_threads(1)
+    out = _run_all(comm, 517, 2, 16)
+    # exactness of the lossless baselines against the dense reference, in the same run
+    exact = {}
+    for name in BLOCK:
+        r = ss.make_reducer(name, comm, density=0.1, block_size=16)
+        g = _grad(comm.rank, 9, 517, integer=True)
+        exact[name] = (r.reduce(g), r.stats["bytes_received"], r.stats["rounds"], r.stats.get("union_blocks"))
+    return out, exact
+
+
 @pytest.mark.gloo
 def test_consistent_exact_and_costed_on_1_to_8_gloo_ranks():
-    def fn(comm):
-        torch.set_num_threads(1)
-        out = _run_all(comm, 517, 2, 16)
-        # exactness of the lossless baselines against the dense reference, in the same run
-        exact = {}
-        for name in BLOCK:
-            r = ss.make_reducer(name, comm, density=0.1, block_size=16)
-            g = _grad(comm.rank, 9, 517, integer=True)
-            exact[name] = (r.reduce(g), r.stats["bytes_received"], r.stats["rounds"], r.stats.get("union_blocks"))
-        return out, exact
-
     for P in range(1, 9):
-        results = ss.run_local(fn, P, backend="gloo", timeout=60)
+        results = ss.run_local(_gloo_worker, P, backend="gloo", timeout=60)
         _check_consistent([r[0] for r in results], P)
         _check_conservation([r[0] for r in results], P)
         ref = _reference_block_sum(P, 517, 0.1, 16, step=9)

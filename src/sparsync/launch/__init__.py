@@ -73,22 +73,26 @@ _name_rank, _pick_start_method, _pickles = name_rank, pick_start_method, _pickle
 
 def run_local(fn: Callable, world_size: int, *args, backend: str = "thread", timeout: float = 120.0,
               alpha: float = 0.0, beta: float = 0.0, placement: Callable[[int], dict] | None = None,
-              start_method: str | None = None, time_limit: float | None = None, **kwargs) -> list:
+              start_method: str | None = None, time_limit: float | None = None, env: dict | None = None,
+              **kwargs) -> list:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; return results in rank order.
 
     ``timeout``: the stall timeout (seconds without progress, see the module docstring);
     ``time_limit``: seconds for the whole run (None: no limit). ``backend="gloo"``: one process per
     rank (``start_method``: see :func:`~sparsync.launch.processes.pick_start_method`), ``comm`` a CPU
     :class:`~sparsync.torchcomm.TorchComm`; ranks that work on a GPU wrap the same group as
-    ``TorchComm(device="cuda")``."""
+    ``TorchComm(device="cuda")``. ``env``: variables set in every rank process before anything else
+    runs there (gloo only; e.g. ``{"CUDA_VISIBLE_DEVICES": ""}`` hides the GPUs from CPU ranks)."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if not timeout > 0 or (time_limit is not None and not time_limit > 0):
         raise ValueError(f"timeout and time_limit must be positive seconds, got {timeout!r}, {time_limit!r}")
+    if env and backend != "gloo":
+        raise ValueError("env applies to backend='gloo' (one process per rank); thread ranks share this process")
     if backend == "thread":
         check_thread_world_size(world_size)  # the one limit of the thread cluster, MAX_THREAD_RANKS
         return run_threads(fn, world_size, args, kwargs, timeout, alpha, beta, time_limit)
     if backend == "gloo":
         check_local_workers(world_size)
-        return run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit)
+        return run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit, env)
     raise ValueError(f"unknown backend {backend!r}; valid: 'thread', 'gloo'")

@@ -24,6 +24,7 @@ import signal
 import tempfile
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -59,7 +60,9 @@ def progress() -> None:
     _HEARTBEAT.beat()
 
 
-def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placement, parent_pid, forked, beats):
+def _child(rank, world_size, store_path, conn, fn, args, kwargs, timeout, placement, parent_pid, forked, beats,
+           env=None):
+    os.environ.update(env or {})  # first: before this process asks torch about any device
     import torch.distributed as dist
 
     from ..torchcomm import TorchComm
@@ -143,7 +146,15 @@ def pick_start_method(requested, payload=()):
         return requested
     if torch.cuda.is_initialized():
         return "spawn"
-    return "spawn" if autograd_threads_started() and _pickles(payload) else "fork"
+    if not autograd_threads_started():
+        return "fork"
+    if _pickles(payload):
+        return "spawn"
+    warnings.warn("run_local: autograd's device threads run in this process (a backward pass ran on a machine "
+                  "with a GPU), so forked ranks cannot run a backward pass; the function does not pickle "
+                  "(a local function?), so its ranks are forked: pass a module-level function to have them "
+                  "spawned", stacklevel=4)
+    return "fork"
 
 
 def _pickles(obj) -> bool:
@@ -157,8 +168,13 @@ def _pickles(obj) -> bool:
     return True
 
 
-def run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None) -> list:
-    """``fn(comm, *args, **kwargs)`` on ``world_size`` process ranks; the results in rank order."""
+def run_processes(fn, world_size, args, kwargs, timeout, placement, start_method, time_limit=None,
+                  env=None) -> list:
+    """``fn(comm, *args, **kwargs)`` on ``world_size`` process ranks; the results in rank order.
+    ``env`` hiding the GPUs (``CUDA_VISIBLE_DEVICES`` empty) from a torch built with CUDA: ``spawn``,
+    since a forked child keeps the device count its parent may have read already."""
+    if env and env.get("CUDA_VISIBLE_DEVICES") == "" and torch.version.cuda and not start_method:
+        start_method = "spawn"
     ctx = mp.get_context(pick_start_method(start_method, (fn, args, kwargs, placement)))
     tmp = tempfile.mkdtemp(prefix=f"{STORE_PREFIX}{os.getpid()}-")
     store_path = os.path.join(tmp, "store")
@@ -174,7 +190,7 @@ def run_processes(fn, world_size, args, kwargs, timeout, placement, start_method
                 parent_end, child_end = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child, name=rank_process_name(os.getpid(), r),
                                 args=(r, world_size, store_path, child_end, fn, args, kwargs, timeout, placement,
-                                      os.getpid(), forked, beats))
+                                      os.getpid(), forked, beats, env))
                 p.daemon = True
                 p.start()
                 child_end.close()

@@ -318,16 +318,20 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
+        """The choice, the carried residual, the active candidate's state and the kept-mass estimates
+        (what a bitwise resume restores), and apart from them ``timings``: the measured link, CPU
+        and call times and the decisions taken on them - wall-clock readings that a resumed run
+        continues from but that no two runs share, so they are not part of a bitwise comparison."""
+        timings = {"link": {k: list(v) for k, v in self.link.items()},
+                   "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu),
+                   "measured": {k: list(v) for k, v in self.measured.items()},
+                   "window": [list(r) for r in self.window], "last_cost": dict(self._last_cost),
+                   "decisions": list(self.decisions), "last_decision": self.last_decision}
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
-                "link": {k: list(v) for k, v in self.link.items()},
-                "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu),
-                "measured": {k: list(v) for k, v in self.measured.items()},
-                "window": [list(r) for r in self.window], "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
-                "since_decision": self.since_decision, "fresh": self._fresh, "last_cost": dict(self._last_cost),
-                "decisions": list(self.decisions),
-                "last_decision": self.last_decision,
+                "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
+                "since_decision": self.since_decision, "fresh": self._fresh,
                 "carry": None if self._carry is None else self._carry.detach().cpu().clone(),
-                "candidate": None if self._cand is None else self._cand.state_dict()}
+                "candidate": None if self._cand is None else self._cand.state_dict(), "timings": timings}
 
     def _check_extra_state(self, d: dict, numel) -> None:
         specs = [c.spec for c in self.candidates]
@@ -351,6 +355,7 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                 raise ValueError(f"auto state: {key} must be an integer >= 0, got {v!r}")
 
     def _load_extra_state(self, d: dict) -> None:
+        d = {**d, **(d.get("timings") or {})}  # (a state written before the timings had a key of their own)
         self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
         self.probe_calls = {k: list(v) for k, v in (d.get("probe_calls") or {}).items()}
         self.cpu = dict(d.get("cpu") or {})

@@ -86,11 +86,11 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
         elif cfg.network == "loopback":
             from ..launch import run_local
 
-            results = run_local(train_worker, P, *args, backend="gloo", **limits)
+            results = run_local(train_worker, P, *args, backend="gloo", env=rank_env(cfg), **limits)
         else:
             from ..cluster import run_emulated
 
-            results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, **limits)
+            results = run_emulated(train_worker, P, *args, bandwidth=cfg.network, env=rank_env(cfg), **limits)
         summary = results[0]
         keys = ("median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
                 "mean_select_s")
@@ -144,6 +144,14 @@ def _wrap(cfg: TrainConfig, model: nn.Module, comm):
                     reducer_options=options, **kw)
     fwd = ddp if callable(ddp) else model
     return fwd, ddp
+
+
+def rank_env(cfg: TrainConfig) -> dict | None:
+    """Environment of the row's rank processes: torch's ``powerSGD_hook`` calls
+    ``torch.cuda.synchronize(device)`` whenever CUDA is available, which fails for the CPU gradients
+    these workloads train on, so PowerSGD rows run with the GPUs hidden (``CUDA_VISIBLE_DEVICES``
+    empty; the rows train on the CPU either way). None for every other row."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if cfg.reducer.startswith("ddp-powersgd") else None
 
 
 def _powersgd_state(cfg: TrainConfig, comm, psgd):
