@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: run test lint setup debs clean
+.PHONY: run test test-integrations lint setup debs clean
 
 setup: $(STAMP) debs
 
@@ -41,6 +41,13 @@ TORCH_KERNEL_TESTS := $(wildcard tests/reducers/test_*_reducer.py tests/reducers
 test: setup
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 	SPARSYNC_NATIVE=0 $(PY) -m pytest -q -n 2 --dist loadgroup $(TORCH_KERNEL_TESTS)
+
+# The trainer integrations with their real clients (Lightning, Accelerate, the HF Trainer): installed into
+# the venv beside the pinned torch (a client that wants another torch fails here instead of replacing it),
+# then their tests, which fail instead of skipping when a client is missing.
+test-integrations: setup
+	$(PY) -m pip install -q -e '.[integrations]' $(TORCH)
+	SPARSYNC_REQUIRE_INTEGRATIONS=1 $(PY) -m pytest -q tests/hook/test_integrations.py
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
