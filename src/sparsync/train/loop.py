@@ -219,6 +219,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     About 85 lines, on purpose: the loop reads top to bottom, and its running state (train time,
     evaluations, time to target) is shared with the checkpoint closure."""
     from ..localsteps import trainer as local
+    from . import clock
 
     cfg = TrainConfig.from_dict(cfg_dict)
     rank, P = comm.rank, comm.world_size
@@ -239,6 +240,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     rd = RunDir(run_path) if run_path else None
 
     start, train_time, evals, time_to_target = _resume(resume_info, cfg, rank, model, opt, ddp)
+    allreduce_s = clock.time_allreduce(comm, numel)  # the link ratio's numerator (untimed, unrecorded)
+    local_steps = local.is_local(cfg)
 
     def checkpoint(step):
         if rd is None:
@@ -284,7 +287,9 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             if step in rates:
                 rec["inter_rate_bits"] = rates[step]  # the emulated rate changed before this step
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                ev = wl.evaluate(model)
+                train_time = rec["time_s"] = clock.slowest(comm, train_time)  # the slowest rank's clock
+                in_sync = getattr(ddp, "inner_step", None) == 0  # DiLoCo right after its synchronisation
+                ev = wl.evaluate(clock.kept_model(model, comm, local_steps, in_sync))
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
                 if "perplexity" in ev:
                     rec["perplexity"] = ev["perplexity"]
@@ -328,6 +333,9 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     summary = summarize(cfg, rows if rd is None else RunDir(run_path).metrics() if rank == 0 else rows,
                         evals, time_to_target, train_time, numel, n_heldout=int(wl.y_test.shape[0]))
     summary["stopped_at_target"] = end if stop else None  # the step count run, when the target ended it
+    summary.update(allreduce_s=allreduce_s, steps_run=end,
+                   link_ratio=clock.link_ratio(allreduce_s, summary["median_compute_s"]),
+                   utilisation=clock.utilisation(summary["median_compute_s"], train_time / max(1, end)))
     if record_losses:
         summary["losses"] = losses
     return summary

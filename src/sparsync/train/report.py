@@ -95,6 +95,8 @@ def table_rows(summaries: list[dict]) -> list[dict]:
             "steps_to_target": _fmt(a["steps_to_target"], lambda x: f"{x:.1f}"),
             "time_to_target": _fmt(a["time_to_target_s"], lambda x: f"{x:.2f} s"),
             "final_acc": _fmt(a["final_accuracy"], lambda x: f"{100 * x:.2f} %"),
+            "r": _fmt(a["link_ratio"], lambda x: f"{x:.1f}"),
+            "util": _fmt(a["utilisation"], lambda x: f"{100 * x:.0f} %"),
             "vs_dense": "–" if sp is None else _fmt(sp, lambda x: f"{x:.2f}x", inf="inf") +
             (" step" if a["speedup_kind"] == "step" else ""),
         })
@@ -105,13 +107,14 @@ _COLS = [("short", "row"), ("step_ms", "step ms"), ("step_mean_ms", "step ms (me
          ("compute_ms", "compute ms"), ("select_ms", "select ms"), ("select_mean_ms", "select ms (mean, slowest rank)"),
          ("comm_ms", "comm ms"), ("wait_ms", "wait ms"), ("mb_step", "MB sent/step"),
          ("mb_step_mean", "MB sent/step (mean)"), ("density", "density"), ("steps_to_target", "steps to target"),
-         ("time_to_target", "time to target"), ("final_acc", "final acc"), ("vs_dense", "speed-up vs dense"),
+         ("time_to_target", "time to target"), ("final_acc", "final acc"), ("r", "r"), ("util", "compute util"),
+         ("vs_dense", "speed-up vs dense"),
          ("n", "runs"), ("config", "configuration")]
 
 
 #: the terminal's table: the columns a verdict reads, then which row is which configuration
 _TERMINAL = ("short", "step_ms", "x_floor", "compute_ms", "wait_ms", "mb_step", "steps_to_target", "time_to_target",
-             "final_acc", "vs_dense", "n")
+             "final_acc", "r", "util", "vs_dense", "n")
 
 
 def format_table(rows: list[dict], markdown: bool = True, compact: bool = False) -> str:

@@ -81,16 +81,46 @@ def floors(summaries: list[dict]) -> dict:
     return out
 
 
+def compute_per_step(summaries: list[dict]) -> dict:
+    """Run (by ``id``) -> its compute seconds per step: its own median where the run splits it out, else
+    (torch DDP rows, whose backward overlaps the exchange) the median of its round's measured ones."""
+    import statistics as stt
+
+    by_round: dict = {}
+    for s in summaries:
+        if s.get("median_compute_s"):
+            by_round.setdefault(_round(s), []).append(s["median_compute_s"])
+    return {id(s): s.get("median_compute_s") or (stt.median(by_round[_round(s)]) if by_round.get(_round(s)) else None)
+            for s in summaries}
+
+
+def ratio_and_utilisation(summaries: list[dict]) -> dict:
+    """Run (by ``id``) -> ``(r, utilisation)``: the link ratio (a dense all-reduce's time over the
+    compute per step, :func:`compute_per_step`) and compute per step over the run's mean step time
+    (its clock, the slowest rank's, over the steps it ran); ``None`` where a part is unknown."""
+    from .clock import link_ratio, utilisation
+
+    comp = compute_per_step(summaries)
+    out = {}
+    for s in summaries:
+        c, steps = comp[id(s)], s.get("steps_run") or s.get("steps")
+        mean_step = s["train_time_s"] / steps if s.get("train_time_s") and steps else None
+        out[id(s)] = (link_ratio(s.get("allreduce_s"), c), utilisation(c, mean_step))
+    return out
+
+
 def aggregate(summaries: list[dict]) -> list[dict]:
     """One entry per configuration (order of first appearance): its runs and, for each quantity, an
     :class:`~sparsync.train.stats.Interval` over the runs (``None`` when no run has it): ``step_s``,
     ``compute_s``, ``select_s``, ``comm_s``, ``wait_s``, ``mean_select_s`` (slowest rank),
     ``bytes``, ``density``, ``time_to_target_s``, ``steps_to_target`` (``inf`` = not reached),
-    ``final_accuracy``, ``x_floor`` (step / its round's floor), and ``speedup`` with ``speedup_kind``:
+    ``final_accuracy``, ``x_floor`` (step / its round's floor), ``link_ratio`` and ``utilisation``
+    (:func:`ratio_and_utilisation`), and ``speedup`` with ``speedup_kind``:
     dense SparseDDP's time to target / this row's within each round, or - when some round of either
     did not reach the target - the same ratio of median step times (``"step"``)."""
     fl = floors(summaries)
     names = short_labels(summaries)
+    ru = ratio_and_utilisation(summaries)
     groups: dict = {}
     for s in sorted(summaries, key=lambda s: s.get("config_index", 0)):  # the order compare ran them in
         groups.setdefault(_key(s), []).append(s)
@@ -109,6 +139,7 @@ def aggregate(summaries: list[dict]) -> list[dict]:
                "steps_to_target": interval([r.get("steps_to_target") if r.get("time_to_target_s") is not None
                                             else None for r in runs]),
                "final_accuracy": iv("final_accuracy"),
+               "link_ratio": _iv([ru[id(r)][0] for r in runs]), "utilisation": _iv([ru[id(r)][1] for r in runs]),
                "x_floor": interval([r["median_step_s"] / fl[_round(r)] for r in runs
                                     if r.get("median_step_s") and fl.get(_round(r))]) if fl else None,
                "speedup": None, "speedup_kind": None}
