@@ -17,7 +17,7 @@ def add_common(p, compare: bool = False) -> None:
     """Arguments shared by ``train`` and ``compare``."""
     from . import NETWORK, WORKERS, deprecated_alias
 
-    p.add_argument("--workload", default="digits-mlp", help="digits-mlp | digits-cnn | lm | gpt | linear")
+    p.add_argument("--workload", default="digits-mlp", help="digits-mlp | digits-cnn | lm | gpt | gpt-long | linear")
     p.add_argument("--workers", type=WORKERS, default=4, help="number of data-parallel ranks")
     deprecated_alias(p, "--world-size", "--workers", "workers", WORKERS)
     net = p.add_mutually_exclusive_group()
