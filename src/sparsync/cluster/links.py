@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 
-from .bandwidth import format_bandwidth, parse_bandwidth, tbf_params
+from .bandwidth import format_bandwidth, link_bandwidth, tbf_params
 from .system import IFNAME, NETNS_ENV, UPLINK, ClusterUnavailable, run
 
 __all__ = ["Links", "change_rate", "links_from_env", "parse_rate_schedule", "shape"]
@@ -79,7 +79,9 @@ class Links:
                          "'all' or a rank number (this cluster has no sites)")
 
     def set_rate(self, link="inter", rate=None) -> None:
-        bits = parse_bandwidth(rate)
+        """Shape every end of ``link`` to ``rate`` (None: unlimited), bounded as ``--bandwidth`` is
+        (:func:`~.bandwidth.link_bandwidth`): ValueError before any qdisc changes."""
+        bits = link_bandwidth(rate)
         for suffix, dev in self.ends(link):
             ns = self.base + suffix
             if bits is None:
@@ -111,7 +113,9 @@ def links_from_env(env=None) -> Links | None:
 
 def parse_rate_schedule(spec: str | None) -> dict[int, int | None]:
     """``"50:100mbit,120:1gbit"`` -> ``{50: 100_000_000, 120: 1_000_000_000}`` (``none``: no limit);
-    ValueError in one line for anything else."""
+    every rate read and bounded as ``--bandwidth``'s (:func:`~.bandwidth.link_bandwidth`, one rule for
+    both), so a rate no emulated link can hold fails here, before any namespace exists. ValueError in
+    one line for anything else."""
     out: dict[int, int | None] = {}
     for item in (spec or "").split(","):
         if not item.strip():
@@ -125,7 +129,10 @@ def parse_rate_schedule(spec: str | None) -> dict[int, int | None]:
             raise ValueError(f"--rate-schedule: expected STEP:RATE[,STEP:RATE...] (e.g. 50:100mbit), got {item!r}")
         if k in out:
             raise ValueError(f"--rate-schedule: step {k} is given twice")
-        out[k] = parse_bandwidth(rate)
+        try:
+            out[k] = link_bandwidth(rate)
+        except ValueError as e:
+            raise ValueError(f"--rate-schedule {item.strip()!r}: {e}") from None
     return out
 
 

@@ -100,11 +100,33 @@ def deprecated_alias(parser, old: str, new: str, dest: str, type=None) -> None: 
                         help=argparse.SUPPRESS)
 
 
+def split_unquoted(text: str, sep: str, what: str = "value") -> list[str]:
+    """``text`` split at every ``sep`` outside a quoted part (``'...'`` or ``"..."``; the quotes are
+    kept, :func:`parse_value` removes them): ``'a=1,sites="0,1;2,3"'`` -> ``['a=1', 'sites="0,1;2,3"']``.
+    UsageError (one line) for a quote that is never closed."""
+    parts, cur, quote = [], [], None
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == sep:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    if quote:
+        raise UsageError(f"{what} {text!r}: the quote {quote} is never closed")
+    parts.append("".join(cur))
+    return parts
+
+
 def parse_kv(items: list[str] | None, what: str) -> dict:
-    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (numbers and true/false parsed)."""
+    """``["a=1", "b=x"]`` -> ``{"a": 1, "b": "x"}`` (numbers and true/false parsed). Items are split at
+    commas outside quotes, so a value holding commas is quoted: ``sites="0,1;2,3"`` (a site layout)."""
     out = {}
     for it in items or []:
-        for part in it.split(","):
+        for part in split_unquoted(it, ",", what):
             if not part:
                 continue
             if "=" not in part:
@@ -115,7 +137,10 @@ def parse_kv(items: list[str] | None, what: str) -> dict:
 
 
 def parse_value(v: str):
-    """A ``key=value`` value: true/yes and false/no as booleans, then an int, then a float, else the string."""
+    """A ``key=value`` value: a quoted one (``'...'`` or ``"..."``) as the string inside the quotes;
+    else true/yes and false/no as booleans, then an int, then a float, else the string."""
+    if len(v) >= 2 and v[0] == v[-1] and v[0] in "'\"":
+        return v[1:-1]
     low = v.lower()
     if low in ("true", "yes"):
         return True

@@ -9,7 +9,7 @@ Every import is inside a function: building the parsers (``sparsync --help``) im
 
 from __future__ import annotations
 
-__all__ = ["check_resources", "check_workload_options", "preflight", "rank_memory_estimate"]
+__all__ = ["check_resources", "check_sites", "check_workload_options", "preflight", "rank_memory_estimate"]
 
 
 def _build_reducer_once(cfg) -> None:
@@ -108,6 +108,40 @@ def check_resources(cfg, wl) -> None:
         check_local_workers(cfg.workers, RANK_MEMORY + per, processes=cfg.network != "thread", hint=hint)
 
 
+def check_sites(cfg) -> list[list[int]] | None:
+    """The site layout the run's reducer will use, checked against the run's world size here instead of
+    inside every rank (one line, :class:`~sparsync.commands.UsageError`). A reducer that takes ``sites``
+    (the hierarchical and auto reducers) reads it from its ``sites`` option, else from what its ranks'
+    environment says (:func:`sparsync.sites.site_layout`: ``SPARSYNC_SITES`` - which a ``--topology``
+    network sets to its own layout - or torchrun's nodes). ``SPARSYNC_SITES`` is checked for every
+    run it reaches: a layout that does not fit the world is a mistake whoever reads it. Returns the
+    layout (None: nothing says)."""
+    import inspect
+    import os
+
+    from ..reducers.registry import load_all
+    from ..sites import SITES_ENV, Topology, format_layout, is_topology_spec, parse_layout, site_layout
+    from . import UsageError
+
+    P = cfg.workers
+    env = dict(os.environ)
+    if cfg.network == "torchrun":  # torchrun decides the world size
+        P = int(env.get("WORLD_SIZE") or P)
+    if is_topology_spec(cfg.network):  # the placement gives every rank the topology's own layout
+        env[SITES_ENV] = format_layout(Topology.from_spec(cfg.network).layout)
+    cls = load_all().get(cfg.reducer)
+    takes = cls is not None and "sites" in inspect.signature(cls.__init__).parameters
+    opt = cfg.reducer_options.get("sites") if takes else None
+    where = (f"--option sites={opt!r}" if opt is not None else
+             f"{SITES_ENV}={env[SITES_ENV]!r}" if env.get(SITES_ENV) else "torchrun's node layout")
+    try:
+        if takes:
+            return site_layout(P, opt, env=env)
+        return parse_layout(env[SITES_ENV], P) if env.get(SITES_ENV) else None
+    except ValueError as e:
+        raise UsageError(f"{where}: {e} (world size {P})") from None
+
+
 def _check_ddp_option_values(cfg) -> None:
     """Build a SparseDDP of a tiny module on a one-rank thread world with the run's SparseDDP keywords
     (dense reducer: its own options are checked apart), so their values fail here, not in the ranks."""
@@ -152,6 +186,8 @@ def preflight(cfg, network: bool = True):
                 link_bandwidth(cfg.network)
         wl = validate(cfg)
         check_run_name(cfg.name)  # the default name too
+        if not (cfg.is_torch_ddp or cfg.reducer == "nocomm"):
+            check_sites(cfg)
         if cfg.is_torch_ddp or cfg.reducer == "nocomm":
             for opt, given in (("--option", cfg.reducer_options), ("--ddp-option", cfg.ddp_options)):
                 if given:

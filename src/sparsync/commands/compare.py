@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import DENSITY, UsageError, doc_text
+from . import DENSITY, UsageError, doc_text, split_unquoted
 from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
@@ -45,16 +45,17 @@ TRAIN_KEYS = ("adam_freeze",)  # config keys that are TrainConfig fields of the 
 
 
 def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
-    """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``."""
+    """``"dense;micro:0.01,merge=wfbp"`` -> ``[{"reducer", "density", "merge", "options"}, ...]``. A value
+    holding ``;`` or ``,`` is quoted: ``hier:0.02,sites="0,2;1,3"`` (split outside quotes only)."""
     from ..convergence import POLICY_OPTIONS
     from ..localsteps.trainer import LOCAL_KEYS
 
     out = []
-    for item in spec.split(";"):
+    for item in split_unquoted(spec, ";", "--configs"):
         item = item.strip()
         if not item:
             continue
-        head, *kvs = item.split(",")
+        head, *kvs = split_unquoted(item, ",", "--configs")
         name, _, dens = head.partition(":")
         d = {"reducer": name.strip(), "density": density, "merge": merge, "options": {}, "convergence": None,
              "ddp": {}, "train": {}, "local": {}}
@@ -239,6 +240,7 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
     from ..train.loop import launch
     from ..train.records import write_comparison
     from ..train.report import format_table, table_rows, write_report
+    from ..train.ownership import named_errors, staged_files
     from ..train.runs import RunDir, RunLock, prepare_dir
 
     root, cfgs = plan(args)
@@ -269,8 +271,9 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
             start = time.monotonic()
             try:
                 summary = launch(cfg, force=True)
-                RunDir(path).write_summary({**summary, "config": job["config"], "config_index": job["index"],
-                                            "round": job["round"], "repeat": job["repeat"]})
+                with contextlib.closing(RunLock(path).acquire()):  # the run's own writer rule, as launch's
+                    RunDir(path).write_summary({**summary, "config": job["config"], "config_index": job["index"],
+                                                "round": job["round"], "repeat": job["repeat"]})
                 done.append(path)
             except Exception as e:  # noqa: BLE001 - one failing config must not lose the others
                 print(f"  {cfg.label()} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
@@ -279,16 +282,20 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
                     f"configuration `{cfg.label()}`{' in ' + where.rstrip(': ') if where else ''} failed: "
                     f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             ran.append(time.monotonic() - start)
-    if not done:
-        raise AllConfigurationsFailed(f"every configuration failed ({len(cfgs)}; the messages above say why)")
-    title = title or (f"{args.workload}: {len(cfgs)} configurations" + (f" x {len(rounds)} rounds" if len(rounds) > 1
-                                                                         else "")
-                      + f", {cfgs[0].workers} workers, {cfgs[0].network}")
-    report = write_report(root, done, title, notes)
-    summaries = [json.loads((d / "summary.json").read_text()) for d in done]
-    rows = table_rows(summaries)
-    csv_path, json_path = write_comparison(root, [dict(s, path=str(d)) for s, d in zip(summaries, done)],
-                                           rows=aggregate_records(summaries))
+        if not done:
+            raise AllConfigurationsFailed(f"every configuration failed ({len(cfgs)}; the messages above say why)")
+        title = title or (f"{args.workload}: {len(cfgs)} configurations"
+                          + (f" x {len(rounds)} rounds" if len(rounds) > 1 else "")
+                          + f", {cfgs[0].workers} workers, {cfgs[0].network}")
+        # still under the comparison's lock (a --force elsewhere waits for it), and as one set: the
+        # report, its plots and the data are moved into the directory only once every file is written
+        summaries = [json.loads((d / "summary.json").read_text()) for d in done]
+        rows = table_rows(summaries)
+        with staged_files(root, "report") as tmp:
+            with named_errors(tmp / "report.md"):  # each plot names its own file
+                report = root / write_report(tmp, done, title, notes).name
+            csv_path, json_path = write_comparison(tmp, [dict(s, path=str(d)) for s, d in zip(summaries, done)],
+                                                   rows=aggregate_records(summaries))
     print()
     print(format_table(rows, markdown=False, compact=True))
     print(f"\nreport: {os.path.relpath(report)} (data: {csv_path.name}, {json_path.name}); "

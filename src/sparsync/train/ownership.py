@@ -8,20 +8,29 @@ directory sparsync did not make. Every writer holds an advisory lock (``fcntl.fl
 (a second ``--resume``, a ``--force`` on a live run) gets :class:`~sparsync.train.errors.RunBusy`
 naming the holder's pid. ``--force`` empties the directory but keeps the lock file, so the lock stays
 one file for the directory's whole life. Small files are replaced whole (:func:`atomic_write`).
+
+Failed writes (a full disk): every error names the file it could not write (:func:`atomic_write`,
+:func:`named_errors`), no lock is left held, and a directory whose start failed - one this process
+created or ``--force`` emptied, holding only what the start wrote - is removed, lock file included
+(:meth:`RunLock.abandon`). A set of files that belong together (a comparison's report, plots and
+data) is written into a temporary directory and moved into place only once all of it is written
+(:func:`staged_files`): a failure leaves the previous set, or none, never a part of one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import RunBusy, RunExists
 
-__all__ = ["LOCK", "MARKER", "RUN_FORMAT", "RunLock", "atomic_write", "check_run_name", "is_run", "prepare_dir",
-           "run_job"]
+__all__ = ["LOCK", "MARKER", "RUN_FORMAT", "RunLock", "atomic_write", "check_run_name", "is_run", "named_errors",
+           "prepare_dir", "run_job", "staged_files"]
 
 RUN_FORMAT = "sparsync-run/1"
 MARKER = ".sparsync-run"   # written when a run (or a comparison) directory is created
@@ -84,6 +93,7 @@ class RunLock:
 
     def __init__(self, path, what: str = "run directory"):
         self.path, self.what, self.fd = Path(path), what, None
+        self.fresh = False  # prepare_dir: the directory was created, or emptied by --force, under this lock
 
     def acquire(self) -> RunLock:
         fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -105,6 +115,25 @@ class RunLock:
             os.close(fd)
 
     close = release  # contextlib.closing
+
+    def abandon(self, written=()) -> None:
+        """A start that failed under this lock: when the directory is :attr:`fresh` and holds nothing but
+        the marker, the lock file and the names in ``written`` (or their temp files), remove them and
+        the directory; then release. Anything else in it (another writer's file) keeps it there."""
+        try:
+            if self.fresh and self.fd is not None:
+                ours = {MARKER, LOCK, *written}
+                names = [x.name for x in self.path.iterdir()]
+                if all(n in ours or n.split(".tmp")[0] in ours for n in names):
+                    for n in names:
+                        if n != LOCK:
+                            (self.path / n).unlink(missing_ok=True)
+                    (self.path / LOCK).unlink(missing_ok=True)  # last: while it exists, the lock is ours
+                    self.path.rmdir()
+        except OSError:
+            pass  # best effort: the error that ended the start is the one to report
+        finally:
+            self.release()
 
 
 def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str = "run directory") -> RunLock:
@@ -129,14 +158,17 @@ def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str 
         return False
 
     refuse_unless_ours()  # before anything is created in a directory that is not ours
+    created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
     lock = RunLock(path, what).acquire()
     try:
+        lock.fresh = created or [x.name for x in path.iterdir()] == [LOCK]  # ours alone: made by sparsync
         if refuse_unless_ours():  # again under the lock: another process may have written meanwhile
             _clear(path)
+            lock.fresh = True
         atomic_write(path / MARKER, json.dumps({"format": RUN_FORMAT, "kind": kind, "job": job}))
     except BaseException:
-        lock.release()
+        lock.abandon()  # a failed start leaves no directory (and no lock file) behind it
         raise
     return lock
 
@@ -145,6 +177,49 @@ def run_job(path) -> str | None:
     """The torchrun job recorded in a run directory's marker (None: none, or no marker)."""
     m = _marker(Path(path))
     return m.get("job") if m else None
+
+
+@contextlib.contextmanager
+def named_errors(path) -> Iterator[None]:
+    """An ``OSError`` raised inside that names no file (a write on a full disk) is raised again naming
+    ``path``, the file being written; one that names its file passes unchanged."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None or e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+@contextlib.contextmanager
+def staged_files(out_dir, tag: str = "staged") -> Iterator[Path]:
+    """A temporary directory inside ``out_dir`` for a set of files written together; when the block
+    ends without an error, each file is moved (a rename) to ``out_dir`` under its own name, replacing
+    the previous one. On an error the temporary directory is removed - ``out_dir`` keeps the previous
+    set, or none - and an ``OSError`` naming a staged file is raised again naming the file it was to
+    become in ``out_dir``. Leftovers of a killed writer (``.<tag>.tmp<pid>``) are removed first; the
+    caller holds ``out_dir``'s lock."""
+    out_dir = Path(out_dir)
+    for old in out_dir.glob(f".{tag}.tmp*"):
+        shutil.rmtree(old, ignore_errors=True)
+    tmp = out_dir / f".{tag}.tmp{os.getpid()}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in sorted(tmp.iterdir()):
+            os.replace(f, out_dir / f.name)
+        tmp.rmdir()
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno is None:
+            raise
+        name = e.filename
+        if isinstance(name, (str, os.PathLike)) and Path(name).parent == tmp:
+            name = out_dir / Path(name).name  # the file it was to become
+        raise OSError(e.errno, e.strerror, str(name) if name is not None else None) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def atomic_write(path: Path, text: str) -> None:

@@ -102,7 +102,7 @@ def _plot_time_to_target(plt, agg, title, out_dir: Path) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     fig.tight_layout()
-    fig.savefig(out_dir / "time_to_target.png", dpi=110)
+    _save(fig, out_dir / "time_to_target.png", dpi=110)
     plt.close(fig)
 
 
@@ -139,7 +139,7 @@ def _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir: Path) -> No
     ax.set_title("time per step: main thread (left) and reducer work (right, may overlap backward)", fontsize=9)
     _legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(out_dir / "step_breakdown.png", dpi=110, bbox_inches="tight")
+    _save(fig, out_dir / "step_breakdown.png", dpi=110, bbox_inches="tight")
     plt.close(fig)
 
     for key, fname, ylabel in (("bytes_sent", "bytes_per_step.png", "bytes sent per rank per step"),
@@ -159,7 +159,7 @@ def _plot_step_breakdown_and_per_step(plt, runs, summaries, out_dir: Path) -> No
         if ax.get_legend_handles_labels()[0]:
             _legend_outside(ax)
         fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=110, bbox_inches="tight")
+        _save(fig, out_dir / fname, dpi=110, bbox_inches="tight")
         plt.close(fig)
 
 
@@ -183,5 +183,13 @@ def _finish_time_plot(fig, ax, ylabel: str, title: str, path) -> None:
     if ax.get_legend_handles_labels()[0]:
         _legend_outside(ax)
     fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _save(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _save(fig, path, **kw) -> None:
+    """``fig.savefig(path)``; a failed write (a full disk) raises an OSError naming ``path``."""
+    from .ownership import named_errors
+
+    with named_errors(path):
+        fig.savefig(path, **kw)

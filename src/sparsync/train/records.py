@@ -18,8 +18,11 @@ No torch and no pandas needed; ``pandas.DataFrame(load_runs(d))`` works when pan
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
+
+from .ownership import atomic_write
 
 __all__ = ["CSV_COLUMNS", "add_speedups", "load_runs", "write_comparison"]
 
@@ -88,11 +91,12 @@ def write_comparison(out_dir, records: list[dict], rows: list[dict] | None = Non
     out_dir = Path(out_dir)
     records = add_speedups([dict(r) for r in records])
     csv_path, json_path = out_dir / "comparison.csv", out_dir / "comparison.json"
-    with open(csv_path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in records:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
-    json_path.write_text(json.dumps({"runs": records, **({"rows": rows} if rows is not None else {})}, indent=1,
-                                    default=str))
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+    w.writeheader()
+    for r in records:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_COLUMNS})
+    atomic_write(csv_path, text.getvalue())  # whole or not at all; a failed write names the file
+    atomic_write(json_path, json.dumps({"runs": records, **({"rows": rows} if rows is not None else {})}, indent=1,
+                                       default=str))
     return csv_path, json_path

@@ -76,16 +76,19 @@ class RunDir:
     def prepare(cls, cfg: TrainConfig, force: bool = False, resume: bool = False,
                 job: str | None = None) -> tuple[RunDir, dict | None]:
         """Create (or reopen for ``resume``) ``runs_dir/name`` and lock it; returns (run dir, resume
-        info or None). ``job``: the torchrun job creating it (recorded in the marker)."""
+        info or None). ``job``: the torchrun job creating it (recorded in the marker). A start that
+        fails (a full disk: the error names the file) leaves no new directory and no lock behind
+        (:meth:`RunLock.abandon`)."""
         check_run_name(cfg.name)
         rd = cls(Path(cfg.runs_dir) / cfg.name)
         if not resume:
             rd.lock = prepare_dir(rd.path, "train", force, job=job)
             try:
                 rd.write_config(cfg)
-                (rd.path / "metrics.jsonl").write_text("")
+                atomic_write(rd.path / "metrics.jsonl", "")  # a failed write names the file
             except BaseException:
-                rd.release()
+                rd.lock.abandon(("config.json", "metrics.jsonl"))  # no directory, no lock file left
+                rd.lock = None
                 raise
             return rd, None
         if not rd.path.is_dir() or rd.path.is_symlink():

@@ -40,7 +40,8 @@ def validate(cfg: TrainConfig):
     from ..localsteps import trainer as local
 
     reducers = valid_reducers()
-    if cfg.reducer not in reducers and not local.is_local(cfg):
+    # a DiLoCo row (local_steps) names a registered reducer too; only torch's ddp-localsgd<H> is not one
+    if cfg.reducer not in reducers and not (local.is_local(cfg) and not local.is_diloco(cfg)):
         raise ValueError(f"unknown reducer {cfg.reducer!r}; valid: {', '.join(reducers)}")
     if cfg.optimizer is not None and cfg.optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {cfg.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")

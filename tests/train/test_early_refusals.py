@@ -1,0 +1,100 @@
+"""Every rate and site layout of a run is read and bounded before anything is created: a refusal is
+one line (exit 2) and leaves no run directory and no network namespace. Thread ranks, real CLI."""
+
+import pytest
+
+from sparsync.cli import main
+from sparsync.cluster import Links, link_bandwidth, parse_rate_schedule
+from sparsync.commands import UsageError, parse_kv
+from sparsync.commands.compare import parse_configs
+
+SMALL = ["--workload", "digits-mlp", "--workload-option", "width=16", "--no-progress", "--steps", "2"]
+
+
+def _err(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def _nothing_in(path) -> bool:
+    return not path.exists() or list(path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------ rates: one bound
+@pytest.mark.parametrize("rate", ["1e30gbit", "2000gbit"])
+def test_a_scheduled_rate_is_bounded_as_bandwidth_is(rate):
+    with pytest.raises(ValueError) as bw:
+        link_bandwidth(rate)
+    with pytest.raises(ValueError) as sched:
+        parse_rate_schedule(f"2:100mbit,4:{rate}")
+    assert str(sched.value) == f"--rate-schedule '4:{rate}': {bw.value}"  # the same rule, naming the item
+    with pytest.raises(ValueError, match="at most 1000gbit"):
+        Links("sparsync-none", 2).set_rate("inter", rate)  # refused before any tc runs
+    assert parse_rate_schedule("2:100mbit,4:none") == {2: 100_000_000, 4: None}
+
+
+def test_an_unbounded_rate_schedule_is_refused_before_any_namespace(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    argv = ["train", *SMALL, "--steps", "4", "--workers", "2", "--bandwidth", "1gbit", "--rate-schedule", "2:1e30gbit",
+            "--runs-dir", str(runs)]
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert "--rate-schedule '2:1e30gbit': bandwidth must be at most 1000gbit" in err and "sch_tbf" not in err
+    assert _nothing_in(runs)
+    assert main(["compare", *argv[1:], "--configs", "dense", "--no-baselines"]) == 2
+    assert "--rate-schedule '2:1e30gbit'" in _err(capsys) and _nothing_in(runs)
+
+
+# ------------------------------------------------------------------------------ site layouts
+def test_a_site_layout_from_the_environment_is_checked_against_the_world(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPARSYNC_SITES", "0,1;2")
+    runs = tmp_path / "runs"
+    assert main(["train", *SMALL, "--thread", "--workers", "4", "--reducer", "hier", "--runs-dir", str(runs)]) == 2
+    assert _err(capsys) == ("sparsync train: error: SPARSYNC_SITES='0,1;2': sites 0,1;2 must hold every rank 0..3 "
+                            "exactly once (world size 4)")
+    assert _nothing_in(runs)
+    assert main(["compare", *SMALL, "--thread", "--workers", "4", "--configs", "hier:0.05", "--no-baselines",
+                 "--runs-dir", str(runs)]) == 2
+    assert "configuration 'hier': SPARSYNC_SITES='0,1;2': sites 0,1;2 must hold every rank" in _err(capsys)
+    assert _nothing_in(runs)
+    # it reaches every rank of every reducer: refused for dense too, never read wrong by nobody
+    monkeypatch.setenv("SPARSYNC_SITES", "0,1;2,3")
+    assert main(["train", *SMALL, "--thread", "--workers", "2", "--reducer", "dense", "--runs-dir", str(runs)]) == 2
+    assert "SPARSYNC_SITES='0,1;2,3': sites 0,1;2,3 must hold every rank 0..1 exactly once" in _err(capsys)
+
+
+def test_a_comma_site_layout_passes_through_option_sites_quoted(tmp_path, capsys):
+    assert parse_kv(['sites="0,2;1,3",outer=micro'], "--option") == {"sites": "0,2;1,3", "outer": "micro"}
+    assert parse_kv(["x='1'"], "--option") == {"x": "1"}  # quoted: the string as written
+    with pytest.raises(UsageError, match="the quote \" is never closed"):
+        parse_kv(['sites="0,2;1,3'], "--option")
+    rows = parse_configs('hier:0.02,sites="0,2;1,3";dense', 0.01, "single")
+    assert [(r["reducer"], r["options"]) for r in rows] == [("hier", {"sites": "0,2;1,3"}), ("dense", {})]
+    runs = tmp_path / "runs"
+    base = ["train", *SMALL, "--thread", "--workers", "4", "--reducer", "hier", "--runs-dir", str(runs), "--name", "h"]
+    assert main([*base, "--option", 'sites="0,2;1"']) == 2
+    assert _err(capsys) == ("sparsync train: error: --option sites='0,2;1': sites 0,2;1 must hold every rank 0..3 "
+                            "exactly once (world size 4)")
+    assert _nothing_in(runs)
+    assert main([*base, "--option", 'sites="0,2;1,3"']) == 0
+    assert "sites=0,2;1,3" in capsys.readouterr().out
+    import json
+
+    assert json.loads((runs / "h" / "config.json").read_text())["reducer_options"] == {"sites": "0,2;1,3"}
+
+
+# ------------------------------------------------------------------------------ unknown reducer
+def test_an_unknown_reducer_is_one_line_with_or_without_local_steps(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    errs = []
+    for configs in ("nosuch:0.02", "nosuch:0.02,sync_every=4"):
+        assert main(["compare", *SMALL, "--thread", "--workers", "2", "--configs", configs, "--no-baselines",
+                     "--runs-dir", str(runs)]) == 2
+        errs.append(_err(capsys))
+    assert errs[0] == errs[1] and errs[0].startswith("sparsync compare: error: configuration 'nosuch': unknown "
+                                                     "reducer 'nosuch'; valid: ")
+    assert main(["train", *SMALL, "--thread", "--workers", "2", "--reducer", "nosuch", "--sync-every", "4",
+                 "--runs-dir", str(runs)]) == 2
+    assert "error: unknown reducer 'nosuch'; valid: " in _err(capsys)
+    assert _nothing_in(runs)
