@@ -66,8 +66,12 @@ def _all_stuck(comm):
 @pytest.mark.gloo
 def test_ranks_stuck_outside_collectives_are_stopped_by_the_launcher():
     want = rf"no progress for \d+ s \(the stall timeout, --timeout {T:g}\): ranks \[0, 1\]"
+    t0 = time.monotonic()
     with pytest.raises(RankFailed, match=want):
         ss.run_local(_all_stuck, 2, backend="gloo", timeout=T)
+    # stopped at the stall timeout plus the launcher's grace (T/2), not later: the deadline is T-sized
+    # (a few seconds more for starting and stopping the ranks on a loaded machine)
+    assert time.monotonic() - t0 < 1.5 * T + 8
 
 
 @pytest.mark.gloo

@@ -26,8 +26,17 @@ def _post_local(comm):
     cfg = TrainConfig(reducer=f"ddp-localsgd{H}", workers=comm.world_size, local_steps={"warmup": WARMUP})
     fwd, ddp, opt = local.wrap(cfg, model, comm, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     kinds = (type(ddp).__name__, type(opt).__name__, type(opt.averager).__name__)
-    same = []
+    same, calls = [], []
+    real = torch.distributed.all_reduce
+
+    def counted(tensor, *args, group=None, **kw):  # every all-reduce that leaves the rank (group of > 1)
+        if torch.distributed.get_world_size(group) > 1:
+            calls[-1] += 1
+        return real(tensor, *args, group=group, **kw)
+
+    torch.distributed.all_reduce = counted
     for step in range(STEPS):
+        calls.append(0)
         g = torch.Generator().manual_seed(100 * step + comm.rank)
         x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
         opt.zero_grad()
@@ -35,18 +44,26 @@ def _post_local(comm):
         opt.step()
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         same.append(all(torch.equal(v, flat) for v in comm.allgather(flat.clone())))
-    return kinds, same
+    torch.distributed.all_reduce = real
+    return kinds, same, calls
 
 
 def test_ddp_localsgd_is_torchs_post_local_sgd():
     """torch's DDP + PostLocalSGDOptimizer + PeriodicModelAverager; with a warm-up of 2 and H = 3 the
     ranks agree after the synchronous warm-up steps and after each averaging step, and differ
     after every other step (local steps on different data)."""
-    for kinds, same in ss.run_local(_post_local, 3, backend="gloo", timeout=120):
+    numel = 8 * 32 + 32 + 32 * 4 + 4
+    for kinds, same, calls in ss.run_local(_post_local, 3, backend="gloo", timeout=120):
         assert kinds == ("DistributedDataParallel", "PostLocalSGDOptimizer", "PeriodicModelAverager")
         expected = [s < WARMUP or averages_at(s, H, WARMUP) for s in range(STEPS)]
         assert same == expected, (same, expected)
         assert expected.count(False) >= 4  # the test sees local steps, not only synchronised ones
+        # what leaves a rank, counted on the wire's calls (not derived from the module under test): the
+        # gradient's all-reduce in the 2 warm-up steps, the parameters' every H = 3 steps from step 2
+        # (the comm hook's all-reduces after the warm-up stay inside a one-rank subgroup)
+        assert calls == [1, 1, 1, 0, 0, 1, 0, 0, 1, 0, 0], calls
+        ring = 2 * 2 * numel * 4 // 3
+        assert [bytes_per_rank(s, H, WARMUP, numel, 3) for s in range(STEPS)] == [ring * c for c in calls]
 
 
 def test_post_local_sgd_bytes_follow_the_schedule():

@@ -131,6 +131,9 @@ def test_fold_protocol_is_explicit_state():
     t.add_(g)  # the flag was consumed by the refused add: a new fold
     m.mark_folded()
     assert m.add(t) is t and torch.equal(t, torch.tensor([2.0, 3, 3, 2, 3, 3, 3, 3]))
+    m.keep(t)  # the fold was consumed by that add: the next one adds its input again
+    assert torch.equal(m.add(g), torch.tensor([3.0, 4, 4, 3, 4, 4, 4, 4]))
+    m.keep(m.residual)
     m.mark_folded()
     m.residual = torch.zeros(8)  # an assignment cancels the pending fold: the next add adds
     assert torch.equal(m.add(g), g)
