@@ -30,6 +30,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from .units import format_rate, link_bandwidth
+
 __all__ = ["SITES_ENV", "Topology", "check_layout", "format_layout", "parse_layout", "site_layout",
            "is_topology_spec"]
 
@@ -125,8 +127,6 @@ class Topology:
     @classmethod
     def parse(cls, grid: str, intra, inter) -> Topology:
         """From the CLI's ``--topology 2x2 --intra 10gbit --inter 200mbit``; ValueError in one line."""
-        from .cluster import link_bandwidth
-
         g = _grid(str(grid))
         if g is None:
             raise ValueError(f"--topology must look like SITESxRANKS (e.g. 2x2), got {grid!r}")
@@ -155,7 +155,5 @@ class Topology:
         return rank // self.ranks_per_site
 
     def spec(self) -> str:
-        from .cluster import format_bandwidth
-
-        bw = (lambda b: "none" if b is None else format_bandwidth(b))
+        bw = (lambda b: "none" if b is None else format_rate(b))
         return f"{self.sites}x{self.ranks_per_site}@{bw(self.intra)}/{bw(self.inter)}"

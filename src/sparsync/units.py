@@ -15,6 +15,9 @@ The rule (``docs/train.md``, "Units"): **bits are spelled ``bit``, bytes ``B`` o
   ``25mb`` is refused (bits or bytes?).
 * counts (:func:`parse_count`, an int): ``1e7``, ``10000000``, ``10M``, ``2.5k``.
 * durations (:func:`parse_duration`, seconds): ``50us``, ``0.2ms``, ``1e-4`` (bare = seconds).
+* link rates (:func:`parse_bandwidth`, :func:`link_bandwidth`: int bits/s or None for no limit) - a rate
+  as above, at least 8kbit, and for a link of the emulated network (``--bandwidth``, ``--intra``,
+  ``--inter``, rate schedules) at most :data:`MAX_BANDWIDTH`; :func:`format_rate` prints every rate.
 
 Nothing here imports torch (the CLI parses its arguments before importing it).
 """
@@ -23,7 +26,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["RATE_FORMS", "format_rate", "parse_count", "parse_duration", "parse_rate", "parse_size"]
+__all__ = ["LINK_QUEUE_S", "MAX_BANDWIDTH", "RATE_FORMS", "format_rate", "link_bandwidth", "parse_bandwidth",
+           "parse_count", "parse_duration", "parse_rate", "parse_size"]
 
 RATE_FORMS = ("accepted: 1gbit, 100mbit, 500kibit, 1Gbit/s or 1Gb/s, or a bare number (bits/s, as tc); "
               "125MB/s, 125MB or 125mbyte/s (bytes/s)")
@@ -31,6 +35,9 @@ _SI = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _IEC = {"ki": 2.0**10, "mi": 2.0**20, "gi": 2.0**30, "ti": 2.0**40}
 _NUM = r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)"
 _PREFIX = r"([kKmMgGtT]i|[kKmMgGtT]|)"
+#: the queue of an emulated link's token bucket, in seconds of traffic (:mod:`sparsync.cluster.bandwidth`)
+LINK_QUEUE_S = 20e-3
+MAX_BANDWIDTH = 10**12  # bits/s of an emulated link: LINK_QUEUE_S of it in bytes stays below 2^32
 
 
 def _prefix(p: str) -> float:
@@ -82,12 +89,39 @@ def parse_rate(s) -> float:
     return _positive(num * _prefix(pre) * mult, s, "rate")
 
 
-def format_rate(bits_per_s: float) -> str:
-    """``1e9`` -> ``"1gbit"`` (the tc spelling, which :func:`parse_rate` reads back)."""
+def format_rate(bits_per_s: float | None) -> str:
+    """``1e9`` -> ``"1gbit"`` (the tc spelling, which :func:`parse_rate` reads back); None (no limit):
+    ``"unlimited"``, which :func:`parse_bandwidth` reads back."""
+    if bits_per_s is None:
+        return "unlimited"
     for unit, f in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
         if bits_per_s >= f:
             return f"{bits_per_s / f:.12g}{unit}"
     return f"{bits_per_s:.12g}bit"
+
+
+def parse_bandwidth(bw) -> int | None:
+    """Bits per second of a link from ``"1gbit"``, ``"100mbit"``, ``"125MB/s"``, a number (bits/s) -
+    :func:`parse_rate`'s one rule - at least 8kbit; ``None``/``"none"``/``"unlimited"`` -> None (no limit)."""
+    if bw is None or (isinstance(bw, str) and bw.strip().lower() in ("none", "unlimited", "inf", "")):
+        return None
+    try:
+        val = parse_rate(bw)
+    except ValueError as e:
+        raise ValueError(f"bad bandwidth: {e}") from None
+    if not val >= 8000:  # 1 kB/s: lower is a unit mistake (the 64 KiB tbf bucket alone takes a minute)
+        raise ValueError(f"bandwidth must be at least 8kbit, got {bw!r}")
+    return int(val)
+
+
+def link_bandwidth(bw) -> int | None:
+    """:func:`parse_bandwidth`, bounded by what an emulated link can hold: at most
+    :data:`MAX_BANDWIDTH` (tbf's queue of :data:`LINK_QUEUE_S` of traffic is a 32-bit byte count)."""
+    val = parse_bandwidth(bw)
+    if val is not None and not val <= MAX_BANDWIDTH:  # the bound in gbit ("1000gbit"), as the docs spell it
+        raise ValueError(f"bandwidth must be at most {MAX_BANDWIDTH / 1e9:g}gbit for an emulated link (tc's "
+                         f"token bucket holds {LINK_QUEUE_S * 1e3:g} ms of traffic in a 32-bit byte count), got {bw!r}")
+    return val
 
 
 def parse_size(s) -> int:
