@@ -9,6 +9,7 @@ import json
 import os
 
 from ._preflight import preflight
+from ._summary import print_summary
 
 __all__ = ["run_torchrun", "torchrun_job", "under_torchrun"]
 
@@ -25,7 +26,6 @@ def run_torchrun(cfg, args) -> int:
     from ..launch import comm_from_env, lost_peer_error, peer_table
     from ..train.loop import train_worker
     from ..train.runs import CheckpointError, RunDir, RunExists, run_job
-    from .train import _print_summary
 
     cfg.network = "torchrun"
     preflight(cfg, network=False)
@@ -61,7 +61,7 @@ def run_torchrun(cfg, args) -> int:
         raise lost_peer_error(e, peers, comm.rank) from e
     if comm.rank == 0:
         rd.write_summary(summary)
-        _print_summary(summary, cfg)
+        print_summary(summary, cfg)
     dist.barrier()
     dist.destroy_process_group()
     if rd is not None:

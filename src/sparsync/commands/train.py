@@ -15,12 +15,14 @@ import sys
 
 from . import SECONDS_MAX, SEED, SEED_MAX, float_in, int_in, parse_kv, parse_value
 from ._preflight import check_resources, check_workload_options, preflight, rank_memory_estimate
+from ._summary import print_summary
 from ._torchrun import run_torchrun as _run_torchrun
 from ._torchrun import torchrun_job, under_torchrun
 from ._train_args import add_common, argparse_bool, argparse_hidden, config_from_args, convergence_of, network_of
 
-# The options ``train`` shares with ``compare``, the checks before a run, and a torchrun process live in
-# ``_train_args``, ``_preflight`` and ``_torchrun`` of this package; their names stay importable from here.
+# The options ``train`` shares with ``compare``, the checks before a run, a torchrun process and the summary
+# printed at the end live in ``_train_args``, ``_preflight``, ``_torchrun`` and ``_summary`` of this package;
+# their names stay importable from here.
 __all__ = ["SECONDS_MAX", "SEED", "SEED_MAX", "add_common", "argparse_bool", "argparse_hidden", "check_resources",
            "check_workload_options", "config_from_args", "convergence_of", "float_in", "int_in", "network_of",
            "parse_kv", "parse_value", "preflight", "rank_memory_estimate", "register", "run", "tensorboard_tail",
@@ -82,7 +84,7 @@ def run(args) -> int:
     except (ValueError, CheckpointError, RunExists, NetworkUnavailable) as e:
         print(f"sparsync train: error: {e}", file=sys.stderr)
         return 2
-    _print_summary(summary, cfg)
+    print_summary(summary, cfg)
     return 0
 
 
@@ -102,11 +104,3 @@ def tensorboard_tail(logdir, cfgs):
         raise UsageError(str(e)) from None
     return MetricsTail(logdir, [(cfg.label(), os.path.join(cfg.runs_dir, cfg.name)) for cfg in cfgs])
 
-
-def _print_summary(s: dict, cfg) -> None:
-    tt = s.get("time_to_target_s")
-    ppl = "" if s.get("final_perplexity") is None else f" (perplexity {s['final_perplexity']:.2f})"
-    print(f"{s['label']}: final accuracy {s['final_accuracy']:.4f}, final held-out loss {s['final_test_loss']:.4f}"
-          f"{ppl}, time to {cfg.target_text()}: {'not reached' if tt is None else f'{tt:.2f} s'}, "
-          f"train time {s['train_time_s']:.2f} s, median step {1e3 * (s['median_step_s'] or 0):.1f} ms")
-    print(f"run directory: {os.path.join(cfg.runs_dir, cfg.name)}")
