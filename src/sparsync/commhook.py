@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from . import rankstate
+from .comm import Comm
 from .schedule.worker import CommWorker
+from .torchcomm import as_comm
 
 __all__ = ["DDPHook", "ddp_hook"]
 
@@ -119,16 +121,13 @@ class DDPHook:
 
     def _comm_for(self, state):
         if self.comm is None:
-            from .comm import Comm
-            from .ddp import _as_comm
-
             if isinstance(state, nn.Module):
                 if self.module is None:
                     self.module = state
                 state = own_group(getattr(state, "process_group", None))
             elif state is None or state is getattr(self.module, "process_group", None):
                 state = own_group(state)
-            self.comm = state if isinstance(state, Comm) else _as_comm(state, self.module)
+            self.comm = state if isinstance(state, Comm) else as_comm(state, self.module)
             if self._loaded is not None:  # loaded before the rank was known (unpickled)
                 self._load_own(self._loaded)
         return self.comm
@@ -317,9 +316,7 @@ class DDPHook:
         group), so every rank must call it, outside backward; ``load_state_dict`` takes the result."""
         comm = self.comm
         if comm is None:
-            from .ddp import _as_comm
-
-            comm = _as_comm(getattr(self.module, "process_group", None))
+            comm = as_comm(getattr(self.module, "process_group", None))
         return rankstate.gather(self.state_dict(), comm)
 
     def load_state_dict(self, d: dict) -> None:

@@ -40,6 +40,7 @@ from torch import nn
 from . import rankstate
 from .commhook import DDPHook, ddp_hook
 from .schedule.engine import OverlapEngine
+from .torchcomm import as_comm
 
 __all__ = ["DDPHook", "SparseDDP", "agree_steps", "ddp_hook"]
 
@@ -121,7 +122,7 @@ class SparseDDP(nn.Module):
             merge = "single" if bucket_cap_mb is None else f"buckets:{float(bucket_cap_mb):g}"
         elif bucket_cap_mb is not None:
             raise ValueError("pass either merge= or bucket_cap_mb=, not both")
-        comm = _as_comm(comm if comm is not None else process_group, module)
+        comm = as_comm(comm if comm is not None else process_group, module)
         self.module = module
         self.comm = comm
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -279,7 +280,7 @@ class SparseDDP(nn.Module):
 
 def agree_steps(n_local: int, comm=None) -> int:
     """The number of steps every rank can run: the minimum of ``n_local`` over ranks (one all-reduce)."""
-    comm = _as_comm(comm)
+    comm = as_comm(comm)
     if comm.world_size == 1:
         return int(n_local)
     with comm.unrecorded():
@@ -305,22 +306,6 @@ def _check_devices(module, device_ids, output_device):
 
 
 # ---------------------------------------------------------------------- helpers
-def _as_comm(comm, module: nn.Module | None = None):
-    """``comm`` if it is a :class:`~sparsync.comm.Comm`, else a ``TorchComm`` over that process group
-    (None: the default one). With ``module`` whose parameters all lie on one accelerator the
-    ``TorchComm`` works on that device (gloo carries CUDA tensors, point-to-point messages staged
-    through host memory: :mod:`sparsync.torchcomm`); otherwise on the backend's default device."""
-    from .comm import Comm
-
-    if isinstance(comm, Comm):
-        return comm
-    from .torchcomm import TorchComm
-
-    devs = {p.device for p in module.parameters()} if module is not None else set()
-    device = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type != "cpu" else None
-    return TorchComm(group=comm, device=device)
-
-
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .comm import Comm, Handle
 
-__all__ = ["TorchComm"]
+__all__ = ["TorchComm", "as_comm"]
 
 # torch >= 2.10 names it all_gather_single (all_gather_into_tensor is deprecated there)
 _allgather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -35,6 +35,19 @@ COPY_PIPELINE, COPY_PIPELINE_MIN = 4, 1 << 20
 #: simultaneous flows queue at the sender's link); ``sparsync bench gather-routes`` measures where the
 #: two cross on a given network. At P = 2 the ring is one exchange too, so the collective stays.
 DIRECT_GATHER_MAX = 128 * 1024
+
+
+def as_comm(comm, module: torch.nn.Module | None = None) -> Comm:
+    """``comm`` if it is a :class:`~sparsync.comm.Comm`, else a :class:`TorchComm` over that process group
+    (None: the default one): what ``SparseDDP``, ``DiLoCo`` and the DDP comm hook accept as their group.
+    With ``module`` whose parameters all lie on one accelerator the ``TorchComm`` works on that device
+    (gloo carries CUDA tensors, point-to-point messages staged through host memory: module docstring);
+    otherwise on the backend's default device."""
+    if isinstance(comm, Comm):
+        return comm
+    devs = {p.device for p in module.parameters()} if module is not None else set()
+    device = next(iter(devs)) if len(devs) == 1 and next(iter(devs)).type != "cpu" else None
+    return TorchComm(group=comm, device=device)
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:

@@ -131,8 +131,9 @@ class DiLoCo:
                  density: float = 0.01, outer_lr: float = 0.7, outer_momentum: float = 0.9, *,
                  init_sync: bool = True, period_cost: float | None = None, max_period: int = MAX_PERIOD,
                  **reducer_options):
-        from ..ddp import _as_comm, start_in_sync
+        from ..ddp import start_in_sync
         from ..reducers.registry import make_reducer
+        from ..torchcomm import as_comm as _as_comm
 
         if not isinstance(module, nn.Module):
             raise TypeError(f"DiLoCo wraps an nn.Module, got {type(module).__name__}")
