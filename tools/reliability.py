@@ -553,6 +553,29 @@ def _resume_fewer():
                       and rd.checkpoint_steps() == [4, 8] else f"checkpoints now {rd.checkpoint_steps()}")
 
 
+@case("run dir", "`compare --force` while another `compare` writes its report (same directory)")
+def _compare_race():
+    from sparsync.train import report
+
+    runs, real, raced = Path(_TMP) / "race", report.write_report, []
+
+    def racing(*a, **k):  # the second invocation arrives while the first writes its report
+        raced.append(_main([*_COMPARE, "--runs-dir", str(runs), "--name", "c", "--force"]))
+        return real(*a, **k)
+
+    report.write_report = racing
+    try:
+        rc, err = _main([*_COMPARE, "--runs-dir", str(runs), "--name", "c"])
+    finally:
+        report.write_report = real
+    if rc != 0 or not (runs / "c" / "comparison.json").exists():
+        return "silent wrong" if rc == 0 else "unclear error", f"the first compare: exit {rc}: {err[-200:]}"
+    rc2, err2 = raced[0]
+    if rc2 == 2 and len(err2.splitlines()) == 1 and "is in use by another sparsync process" in err2:
+        return "clean error", f"exit 2: {err2}; the first writes its report and data whole"
+    return ("silent wrong" if rc2 == 0 else "unclear error"), f"the racing --force: exit {rc2}: {err2[-200:]}"
+
+
 @case("disk", "torn last line of metrics.jsonl (a cut-short write), then `--resume`")
 def _torn():
     from sparsync.train.runs import read_metrics
@@ -576,6 +599,69 @@ def _metrics_enospc():
     with tmpfs(Path(_TMP) / "small") as d:
         return _main_case(["train", *_SMALL, "--steps", "100000", "--eval-every", "100000", "--runs-dir", str(d),
                            "--name", "x"], 2, rf"No space left on device \(writing the metrics file\): {d}/x/metrics")
+
+
+@contextlib.contextmanager
+def _full_disk(cls, method: str, hit):
+    """``cls.method`` raises ENOSPC naming no file (as a write on a full disk does) where ``hit(path)``,
+    after writing a few bytes there (a torn file); put back after the block."""
+    real = getattr(cls, method)
+
+    def writer(self, *a, **k):
+        path = self if cls is Path else Path(a[0])
+        if hit(path):
+            with open(path, "wb") as f:
+                f.write(b"torn")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *a, **k)
+
+    setattr(cls, method, writer)
+    try:
+        yield
+    finally:
+        setattr(cls, method, real)
+
+
+@case("disk", "disk full (ENOSPC) at each of a new run directory's first files (marker, config, metrics)")
+def _start_enospc():
+    runs, outs = Path(_TMP) / "start-full", []
+    for name in (".sparsync-run", "config.json", "metrics.jsonl"):
+        with _full_disk(Path, "write_text", lambda p, name=name: p.name.startswith(name)):
+            outs.append(_main_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(runs), "--name", "r"], 2,
+                                   rf"No space left on device: .*/r/{re.escape(name)}$",
+                                   lambda: "the run directory (and its .lock) was left" if (runs / "r").exists()
+                                   else None))
+    bad = [o for o in outs if o[0] != "clean error"]
+    if bad:
+        return bad[0]
+    return "clean error", f"3 files, each {outs[0][1]}; no directory and no .lock left"
+
+
+@case("disk", "disk full (ENOSPC) while `compare` writes its plots, then while it rewrites its report")
+def _report_enospc():
+    from matplotlib.figure import Figure
+
+    runs = Path(_TMP) / "report-full"
+    root = runs / "c"
+    argv = [*_COMPARE, "--runs-dir", str(runs), "--name", "c"]
+    report = {"report.md", "comparison.csv", "comparison.json", "accuracy_vs_time.png", "time_to_target.png"}
+    with _full_disk(Figure, "savefig", lambda p: p.name == "time_to_target.png"):
+        first = _main_case(argv, 2, r"No space left on device: .*/c/time_to_target\.png$",
+                           lambda: "a partial report was left" if any(p.name in report or ".tmp" in p.name
+                                                                      for p in root.iterdir()) else None)
+    if first[0] != "clean error":
+        return first
+    rc, err = _main([*argv, "--resume"])
+    before = {p.name: p.read_bytes() for p in root.iterdir() if p.name in report}
+    if rc != 0 or set(before) != report:
+        return "unclear error", f"the resumed compare: exit {rc}: {err[-200:]}"
+    with _full_disk(Path, "write_text", lambda p: p.name == "report.md"):
+        second = _main_case([*argv, "--resume"], 2, r"No space left on device: .*/c/report\.md$",
+                            lambda: "the previous report set changed" if before != {
+                                p.name: p.read_bytes() for p in root.iterdir() if p.name in report} else None)
+    if second[0] != "clean error":
+        return second
+    return "clean error", f"{first[1]}; no plot left; a later failure keeps the previous report set whole"
 
 
 # ---------------------------------------------------------------------- limits and processes
@@ -827,12 +913,32 @@ for _argv, _pattern in ((["--bandwidth", "1e30gbit"], r"bandwidth must be at mos
                         (["--workload-option", "width=1e9"], r"not even one rank fits here, by the available memory"),
                         (["--ddp-option", "nonfinite=bogus"], r"--ddp-option: nonfinite must be"),
                         (["--batch-size", "1e9"], r"by the available memory .*lower --batch-size"),
-                        (["--checkpoint-every", "-1"], r"--checkpoint-every must be an integer >= 0")):
+                        (["--checkpoint-every", "-1"], r"--checkpoint-every must be an integer >= 0"),
+                        (["--bandwidth", "1gbit", "--rate-schedule", "2:1e30gbit"],
+                         r"--rate-schedule '2:1e30gbit': bandwidth must be at most 1000gbit"),
+                        (["--reducer", "hier", "--option", 'sites="0;1,2"'],
+                         r"--option sites='0;1,2': sites 0;1,2 must hold every rank 0\.\.1 exactly once"),
+                        (["--reducer", "nosuch", "--sync-every", "4"], r"unknown reducer 'nosuch'; valid: ")):
     case("bad input", f"`sparsync train {' '.join(_argv)}`")(
         lambda a=_argv, p=_pattern: _main_case(
             [*_LOOP, *a, "--runs-dir", str(Path(_TMP) / "values")], 2, p,
             lambda: "a run directory was created" if (Path(_TMP) / "values").exists() else None))
 
+
+
+@case("bad input", "`SPARSYNC_SITES='0,1;2' sparsync train --reducer hier --workers 4`")
+def _sites_env():
+    old = os.environ.get("SPARSYNC_SITES")
+    os.environ["SPARSYNC_SITES"] = "0,1;2"
+    try:
+        return _main_case([*_LOOP, "--reducer", "hier", "--workers", "4", "--runs-dir", str(Path(_TMP) / "sites")], 2,
+                          r"SPARSYNC_SITES='0,1;2': sites 0,1;2 must hold every rank 0\.\.3 exactly once",
+                          lambda: "a run directory was created" if (Path(_TMP) / "sites").exists() else None)
+    finally:
+        if old is None:
+            os.environ.pop("SPARSYNC_SITES", None)
+        else:
+            os.environ["SPARSYNC_SITES"] = old
 
 # ---------------------------------------------------------------------- security
 _PLANTED = r"""
@@ -949,6 +1055,19 @@ def _replace(path: Path, marker: str, text: str) -> None:
                            lambda _: f"<!-- {marker} -->\n{text}\n<!-- /{marker} -->", old, flags=re.S))
 
 
+def _merged(path: Path, rows) -> list[tuple[str, str, str, str]]:
+    """The table of ``path`` with ``rows`` (an ``--only`` run) in place of the rows of the same cases,
+    in the order of :data:`CASES`; a case neither run now nor in the file is left out."""
+    old = {}
+    m = re.search(r"<!-- table -->(.*?)<!-- /table -->", path.read_text() if path.exists() else "", flags=re.S)
+    for line in (m.group(1) if m else "").splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 4 and cells[0] not in ("kind", "---"):
+            old[cells[1]] = (cells[0], cells[1], cells[2].strip("*"), cells[3])
+    new = {r[1]: r for r in rows}
+    return [new.get(what) or old[what] for _, what, _, _ in CASES if what in new or what in old]
+
+
 def table(rows) -> str:
     return format_table([{"kind": k, "case": w, "outcome": f"**{o}**", "what": d} for k, w, o, d in rows],
                         [("kind", "kind"), ("case", "case"), ("outcome", "outcome"), ("what", "what happened")],
@@ -958,7 +1077,8 @@ def table(rows) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python tools/reliability.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None, help="markdown file whose <!-- table --> section is replaced")
-    ap.add_argument("--only", default=None, help="run the cases whose description contains this text")
+    ap.add_argument("--only", default=None, help="run the cases whose description contains this text (with --out: "
+                    "their rows are replaced, the others kept)")
     ap.add_argument("--cost", action="store_true", help="measure the non-finite check instead (<!-- cost -->)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -971,7 +1091,7 @@ def main(argv=None) -> int:
     rows = run_cases(args.only)
     text = table(rows)
     if args.out:
-        _replace(Path(args.out), "table", text)
+        _replace(Path(args.out), "table", table(_merged(Path(args.out), rows)) if args.only else text)
     print(text)
     bad = [r for r in rows if r[2] in ("silent wrong", "hang", "unclear error")]
     return 1 if bad else 0
