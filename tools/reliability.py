@@ -959,6 +959,128 @@ print(native.info())
 """
 
 
+# ---------------------------------------------------------------------- states
+def _saved_states(name, P, steps=70, **opts):
+    from sparsync.reducers.registry import make_reducer
+
+    def w(comm):
+        r = make_reducer(name, comm, 0.05, **opts)
+        g = torch.Generator().manual_seed(comm.rank)
+        for _ in range(steps):
+            r.reduce(torch.randint(-64, 65, (1200,), generator=g).float() / 64)
+        return r.state_dict()
+
+    return _thread(w, P=P)
+
+
+@case("state", "every reducer's state saved at 4 ranks, resumed at 2 and at 8 (Ok-Topk's partition included)")
+def _other_world_size():
+    import warnings
+
+    from sparsync.reducers.registry import load_all, make_reducer
+
+    bad, names = [], sorted(n for n in load_all() if load_all().lookup(n).has_memory and n != "hier")
+    for name in names:
+        states = _saved_states(name, 4)
+        for P in (2, 8):
+            def w(comm, states=states, name=name):
+                r = make_reducer(name, comm, 0.05)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    if comm.rank < len(states):
+                        r.load_state_dict(states[comm.rank])
+                before = torch.zeros(1200) if r.residual is None else r.residual.clone()
+                g = torch.randint(-64, 65, (1200,), generator=torch.Generator().manual_seed(9 + comm.rank)) / 64
+                out = r.reduce(g.float())
+                after = torch.zeros(1200) if r.residual is None else r.residual.clone()
+                return g.float() + before, out, after, r.conserving
+
+            res = _thread(w, P=P)
+            fed, kept = sum(x[0] for x in res), sum(x[2] for x in res)
+            if not all(torch.equal(x[1], res[0][1]) for x in res):
+                bad.append(f"{name}@{P}: ranks differ")
+            elif res[0][3] and not torch.equal(fed, res[0][1] + kept):
+                bad.append(f"{name}@{P}: {float((fed - res[0][1] - kept).abs().max()):.3g} lost")
+    if bad:
+        return "silent wrong", "; ".join(bad)
+    return "recovers", (f"all {len(names)} reducers with memory at 4 -> 2 and 4 -> 8 ranks: the loaded residuals "
+                        "kept, the rest of the method (partitions, thresholds, step) started fresh with a warning; "
+                        "the next step conserving and bitwise equal on every rank")
+
+
+@case("state", "crafted `auto` states: active -1 / 99 / 'x', a carried residual of shape (1,) or the wrong length")
+def _crafted_auto():
+    import copy as _copy
+
+    from sparsync.reducers.registry import make_reducer
+
+    def w(comm):
+        r = make_reducer("auto", comm, 0.05, candidates=["topka:0.05", "micro:0.05"])
+        for i in range(3):
+            r.reduce(torch.randn(600, generator=torch.Generator().manual_seed(i)))
+        r._switch(1)
+        good, out = r.state_dict(), []
+        for key, value in (("active", -1), ("active", 99), ("active", "x"), ("carry", torch.full((1,), 1e3)),
+                           ("carry", torch.zeros(599))):
+            bad = _copy.deepcopy(good)
+            bad["extra"][key] = value
+            try:
+                r.load_state_dict(bad)
+                out.append(f"{key}={value!r}: accepted")
+            except ValueError as e:
+                out.append(str(e))
+            if not torch.equal(r.state_dict()["extra"]["carry"], good["extra"]["carry"]):
+                out.append("changed")
+        return out
+
+    got = _thread(w, P=2)[0]
+    if any("accepted" in m or m == "changed" for m in got) or any("\n" in m for m in got):
+        return "silent wrong", "; ".join(got)
+    return "clean error", f"5 of 5 refused in one line, state unchanged: e.g. ValueError: {got[0]}; {got[3]}"
+
+
+@case("state", "`auto` with a carried residual on the edge of fp32: the next call overflows")
+def _auto_carry_overflow():
+    from sparsync.reducers.registry import make_reducer
+
+    def w(comm):
+        r = make_reducer("auto", comm, 0.05, candidates=["topka:0.05", "micro:0.05"])
+        for i in range(3):
+            r.reduce(torch.randn(600, generator=torch.Generator().manual_seed(i)))
+        r._switch(1)
+        r.residual = torch.full((600,), 3e38)
+        before = r.residual.clone()
+        try:
+            r.reduce(torch.full((600,), 3e38))
+        except FloatingPointError as e:
+            return str(e).splitlines()[0], torch.equal(before, r.residual)
+        return "no error", False
+
+    msg, kept = _thread(w, P=1)[0]
+    if msg == "no error" or not kept:
+        return "silent wrong", f"{msg}; carry kept: {kept}"
+    return "clean error", f"FloatingPointError: {msg} (the carried residual kept)"
+
+
+@case("security", "an HF Trainer checkpoint whose sparsync_hook.pt runs os.system on load")
+def _crafted_hf_hook():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "not tried", "transformers is not installed (make test-integrations installs it)"
+    from sparsync.integrations import load_state_file
+
+    path, marker = Path(_TMP) / "sparsync_hook.pt", Path(_TMP) / "pwned-hf"
+    torch.save({"sparsync_gathered": 1, "world_size": 1, "states": [_Evil(str(marker))]}, path)
+    try:
+        load_state_file(path)
+    except ValueError as e:
+        if marker.exists():
+            return "silent wrong", "the payload ran"
+        return "clean error", f"ValueError: {str(e)[:180]} (payload not run)"
+    return "silent wrong", "loaded"
+
+
 @case("security", "a .so planted in the fallback cache by another user is not loaded")
 def _planted_kernels():
     from sparsync.native import build

@@ -64,6 +64,10 @@ def load_state_file(path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ValueError(f"{path}: not a sparsync hook state (only tensors and plain data load): {first}") from None
+        import re
+
+        found = re.search(r"GLOBAL (\S+)", str(e))  # what the pickle asked for, e.g. posix.system
+        why = (f"it holds {found.group(1)}" if found else
+               (str(e).strip().splitlines() or [type(e).__name__])[0])
+        raise ValueError(f"{path}: not a sparsync hook state (only tensors and plain data load; {why})") from None
 
