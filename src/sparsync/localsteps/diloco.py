@@ -1,9 +1,11 @@
-"""DiLoCo: local steps of an inner optimizer, then an outer Nesterov step on the reduced pseudo-gradient.
+"""DiLoCo: local steps of an inner optimizer, then an outer optimizer step on the reduced pseudo-gradient.
 
 ::
 
     dl = ss.DiLoCo(model, comm, torch.optim.AdamW(model.parameters()), sync_every=16)   # dense
     dl = ss.DiLoCo(model, comm, opt, sync_every=16, reducer="micro", density=0.02)      # sparse
+    dl = ss.DiLoCo(model, comm, opt, sync_every=16,                                     # any outer optimizer
+                   outer_optimizer=torch.optim.Adam(model.parameters(), lr=1e-2))
     for x, y in data:
         opt.zero_grad(); loss_fn(model(x), y).backward()
         dl.step()                      # where opt.step() was: inner step, every H calls the outer sync
@@ -20,13 +22,18 @@ communication (``sync_every="auto"``: H chosen at every synchronisation from the
    pseudo-gradient (error feedback across outer steps: SparseLoCo, Sarfi et al. 2025). A reducer
    that can send its values in half precision does so unless ``value_dtype`` is given (the
    rounding stays in its residual, so the exchange stays conserving);
-3. divides the sum by the world size P and takes one step of ``torch.optim.SGD(lr=outer_lr,
-   momentum=outer_momentum, nesterov=outer_momentum > 0)`` on the shared parameters with that
-   average as their gradient (DiLoCo's outer optimizer; paper defaults lr 0.7, momentum 0.9);
-4. copies the new shared parameters into the module's parameters.
+3. divides the sum by the world size P, sets the module's parameters to the shared ones and each
+   parameter's ``.grad`` to its part of that average, and calls ``outer_optimizer.step()`` (the
+   convention of torchft's DiLoCo: the outer optimizer is an ordinary torch optimizer over the
+   module's parameters). The default is DiLoCo's ``torch.optim.SGD(lr=0.7, momentum=0.9,
+   nesterov=True)`` (``outer_lr`` / ``outer_momentum`` change it; ``outer_momentum=0``: plain SGD);
+4. the parameters it produced become the new shared parameters (copied into the flat buffers); the
+   module keeps them as its parameters. The parameters' ``.grad`` are put back to what they were
+   before the outer step (the inner optimizer's gradients, untouched).
 
-The reducer's sum is bitwise identical on every rank (the reducer contract), so the shared
-parameters, the outer momentum and hence every rank's parameters after an outer step are bitwise
+The reducer's sum is bitwise identical on every rank (the reducer contract), so - the outer
+optimizer being deterministic and starting from the same state everywhere - the shared parameters,
+the outer optimizer's state and hence every rank's parameters after an outer step are bitwise
 identical. With H = 1, ``outer_lr=1``, ``outer_momentum=0``, an inner SGD without momentum and the
 dense reducer this is synchronous data-parallel SGD (``delta_r = lr g_r``, up to float rounding of
 ``shared - (shared - lr g_r)``). With ``outer_lr=1``, ``outer_momentum=0`` and the dense reducer it is
@@ -34,18 +41,21 @@ local SGD / model averaging every H steps (Lin et al. 2020, "Don't use large min
 SGD"; torch's ``PeriodicModelAverager``).
 
 State (:meth:`state_dict` / :meth:`load_state_dict`; tensors and plain data, no process group):
-the shared parameters, the outer optimizer (its momentum buffer), the inner step counter within the
-current cycle, the outer step count, with ``sync_every="auto"`` the period and its measurements,
-and every reducer's state (residual included). To resume
-bitwise - also from a checkpoint taken in the middle of an outer cycle - save, on every rank, the
-module's parameters (``model.state_dict()``: the local parameters of this rank), the inner
-optimizer's ``state_dict()`` and this object's ``state_dict()``; load all three before the next
-step. Module buffers (e.g. BatchNorm statistics) are broadcast from rank 0 at construction and
-stay local afterwards.
+the world size and rank it was saved at, the shared parameters, the outer optimizer's
+``state_dict()`` (momentum buffer, Adam's moments, ...), the inner step counter within the current
+cycle, the outer step count, with ``sync_every="auto"`` the period and its measurements, and every
+reducer's state (residual included). To resume bitwise - also from a checkpoint taken in the middle
+of an outer cycle - save, on every rank, the module's parameters (``model.state_dict()``: the local
+parameters of this rank), the inner optimizer's ``state_dict()`` and this object's ``state_dict()``;
+load all three before the next step. :meth:`load_state_dict` checks the whole state before it
+changes anything; a state of another world size or another rank is refused (the residuals are per
+rank, the pseudo-gradients and the outer step per world). Module buffers (e.g. BatchNorm
+statistics) are broadcast from rank 0 at construction and stay local afterwards.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -55,7 +65,12 @@ from .period import MAX_PERIOD, AutoPeriod, default_period_cost
 
 __all__ = ["DiLoCo", "STATE_FORMAT", "default_reducer_options"]
 
-STATE_FORMAT = "sparsync-diloco/1"
+STATE_FORMAT = "sparsync-diloco/2"
+#: the format before the outer optimizer stepped the module's parameters: the default SGD's momentum
+#: over the flat shared buffers, no world size or rank (loaded with the default outer optimizer)
+STATE_FORMAT_V1 = "sparsync-diloco/1"
+#: the default outer optimizer (DiLoCo's: Nesterov SGD, lr 0.7, momentum 0.9)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
 def default_reducer_options(reducer: str, options: dict) -> dict:
@@ -68,6 +83,76 @@ def default_reducer_options(reducer: str, options: dict) -> dict:
     if "value_dtype" not in options and cls.supports_value_dtype and cls.value_dtype_conserving:
         return {**options, "value_dtype": "fp16"}
     return dict(options)
+
+
+def _check_outer_optimizer(opt, params: list[torch.Tensor], inner) -> None:
+    """A one-line error unless ``opt`` is a torch optimizer whose param groups hold exactly ``params``
+    (the module's trainable parameters), each once."""
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"outer_optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
+    if opt is inner:
+        raise ValueError("outer_optimizer must be its own optimizer, not the inner optimizer")
+    held = [p for group in opt.param_groups for p in group["params"]]
+    mine = {id(p) for p in params}
+    ids = [id(p) for p in held]
+    twice, others = len(ids) - len(set(ids)), len(set(ids) - mine)
+    missing = len(mine - set(ids))
+    if twice or others or missing:
+        raise ValueError(f"outer_optimizer must hold exactly the module's {len(params)} trainable parameters; it "
+                         f"misses {missing}, holds {others} other tensors and {twice} parameters twice")
+
+
+def _nonneg_int(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"DiLoCo state: {what} must be an integer >= 0, got {v!r}")
+    return v
+
+
+_GROUP_KEYS_ASIDE = ("params", "param_names")
+
+
+def _check_optimizer_state(opt, sd) -> None:
+    """A one-line ``ValueError`` unless ``sd`` has the structure of ``opt.state_dict()``: as many
+    param groups, as many parameters in each, the same hyper-parameter keys; per-parameter state
+    for those parameters only, with the keys and tensor shapes ``opt`` holds where it already has
+    state, and a parameter's shape for any tensor with as many dimensions as the parameter."""
+    what = "DiLoCo state: the outer optimizer's state"
+    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
+        raise ValueError(f"{what} must be an optimizer state_dict (state, param_groups)")
+    saved, groups = sd["param_groups"], opt.param_groups
+    if len(saved) != len(groups):
+        raise ValueError(f"{what} has {len(saved)} param groups, this outer optimizer {len(groups)}")
+    by_index: dict = {}
+    for i, (s, g) in enumerate(zip(saved, groups)):
+        ids = s.get("params") if isinstance(s, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(g["params"]):
+            n = len(ids) if isinstance(ids, list) else None
+            raise ValueError(f"{what}: param group {i} holds {n} parameters, this outer optimizer's {len(g['params'])}")
+        keys = sorted(k for k in s if k not in _GROUP_KEYS_ASIDE)
+        want = sorted(k for k in g if k not in _GROUP_KEYS_ASIDE)
+        if keys != want:
+            raise ValueError(f"{what}: param group {i} has the keys {keys}, this outer optimizer's {want} "
+                             f"(another optimizer class?)")
+        for k, p in zip(ids, g["params"]):
+            if isinstance(k, bool) or not isinstance(k, int) or k in by_index:
+                raise ValueError(f"{what}: parameter ids must be distinct integers, got {k!r} twice or of another type")
+            by_index[k] = p
+    current = opt.state_dict()["state"]
+    for k, st in sd["state"].items():
+        if k not in by_index or not isinstance(st, dict):
+            raise ValueError(f"{what}: state for parameter {k!r}, which no param group holds (or not a dict)")
+        p, now = by_index[k], current.get(k)
+        if now is not None and sorted(st) != sorted(now):
+            raise ValueError(f"{what}: parameter {k} has the state keys {sorted(st)}, this outer optimizer's "
+                             f"{sorted(now)}")
+        for name, v in st.items():
+            if not isinstance(v, torch.Tensor):
+                continue
+            ref = now.get(name) if now is not None else None
+            want = tuple(ref.shape) if isinstance(ref, torch.Tensor) else (
+                tuple(p.shape) if v.dim() == p.dim() and v.dim() > 0 else None)
+            if want is not None and tuple(v.shape) != want:
+                raise ValueError(f"{what}: {name} of parameter {k} has shape {tuple(v.shape)}, expected {want}")
 
 
 class _Group:
@@ -97,6 +182,16 @@ class _Group:
         for p, s in zip(self.params, self.views(self.shared)):
             p.detach().copy_(s.view_as(p))
 
+    def read_back(self) -> None:
+        """Set the shared parameters to the module's."""
+        for p, s in zip(self.params, self.views(self.shared)):
+            s.copy_(p.detach().reshape(-1))
+
+    def set_grads(self) -> None:
+        """Every parameter's ``.grad``: its part of the averaged pseudo-gradient (a view of ``average``)."""
+        for p, a in zip(self.params, self.views(self.average)):
+            p.grad = a.view_as(p)
+
 
 class DiLoCo:
     """Local steps with an outer synchronisation every ``sync_every`` steps (see the module docstring).
@@ -114,7 +209,15 @@ class DiLoCo:
         reducer: a registered sparsync reducer for the pseudo-gradient (``"dense"``, ``"micro"``,
             ``"topka"``, ...; see ``ss.make_reducer``).
         density: the fraction of pseudo-gradient entries a sparsifying reducer sends per outer step.
-        outer_lr, outer_momentum: the outer Nesterov SGD (``outer_momentum=0``: plain SGD).
+        outer_lr, outer_momentum: the default outer optimizer, ``torch.optim.SGD`` over the module's
+            trainable parameters with ``nesterov=outer_momentum > 0`` (defaults 0.7 and 0.9, the DiLoCo
+            paper's; ``outer_momentum=0``: plain SGD). Not together with ``outer_optimizer``.
+        outer_optimizer: any ``torch.optim.Optimizer`` whose param groups hold exactly the module's
+            trainable parameters (checked before anything is set up), stepped once per outer
+            synchronisation with the averaged pseudo-gradient as the parameters' ``.grad`` on the
+            shared parameters (torchft's convention). Its state must start the same on every rank
+            (a freshly built optimizer does); it is in :meth:`state_dict`. Learning-rate schedulers
+            may drive it (one scheduler step per outer step is the caller's).
         init_sync: broadcast rank 0's parameters and buffers at construction (default True), so
             every rank starts from the same shared parameters.
         **reducer_options: passed to the reducer (``value_dtype="fp32"`` turns half-precision values off).
@@ -128,8 +231,9 @@ class DiLoCo:
     """
 
     def __init__(self, module: nn.Module, comm, inner_optimizer, sync_every: int, reducer: str = "dense",
-                 density: float = 0.01, outer_lr: float = 0.7, outer_momentum: float = 0.9, *,
-                 init_sync: bool = True, period_cost: float | None = None, max_period: int = MAX_PERIOD,
+                 density: float = 0.01, outer_lr: float | None = None, outer_momentum: float | None = None, *,
+                 outer_optimizer: torch.optim.Optimizer | None = None, init_sync: bool = True,
+                 period_cost: float | None = None, max_period: int = MAX_PERIOD,
                  **reducer_options):
         from ..ddp import start_in_sync
         from ..reducers.registry import make_reducer
@@ -144,10 +248,20 @@ class DiLoCo:
             raise ValueError(f"sync_every must be a positive integer or 'auto', got {sync_every!r}")
         if not auto and period_cost is not None:
             raise ValueError("period_cost applies to sync_every='auto' only")
-        if not (float(outer_lr) > 0):
-            raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
-        if not (0 <= float(outer_momentum) < 1):
-            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if outer_optimizer is not None:
+            given = [k for k, v in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)) if v is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} configure the default outer SGD; with outer_optimizer "
+                                 "set them on that optimizer")
+            _check_outer_optimizer(outer_optimizer, [p for p in module.parameters() if p.requires_grad],
+                                   inner_optimizer)
+        else:
+            outer_lr = OUTER_LR if outer_lr is None else outer_lr
+            outer_momentum = OUTER_MOMENTUM if outer_momentum is None else outer_momentum
+            if not (float(outer_lr) > 0):
+                raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+            if not (0 <= float(outer_momentum) < 1):
+                raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         reducer_options = default_reducer_options(reducer, reducer_options)
         self.comm = comm = _as_comm(comm, module)
         self.module = module
@@ -155,7 +269,9 @@ class DiLoCo:
         cost = default_period_cost(inner_optimizer) if period_cost is None else period_cost
         self.auto_period = AutoPeriod(self.comm, cost, max_period) if auto else None  # (checks its options)
         self.sync_every = self.auto_period.period if auto else int(sync_every)
-        self.outer_lr, self.outer_momentum = float(outer_lr), float(outer_momentum)
+        # the default outer SGD's lr and momentum; None with a caller's outer_optimizer
+        self.outer_lr = None if outer_optimizer is not None else float(outer_lr)
+        self.outer_momentum = None if outer_optimizer is not None else float(outer_momentum)
         self.reducer_name = reducer
         named = start_in_sync(module, comm, "DiLoCo", init_sync)
         by_kind: dict = {}
@@ -163,9 +279,13 @@ class DiLoCo:
             by_kind.setdefault((p.device, p.dtype), []).append(p)
         self.groups = [_Group(ps, make_reducer(reducer, comm, density=density, **reducer_options))
                        for ps in by_kind.values()]
-        mom = self.outer_momentum
-        self.outer_optimizer = torch.optim.SGD([g.shared for g in self.groups], lr=self.outer_lr,
-                                               momentum=mom, nesterov=mom > 0)
+        if outer_optimizer is None:
+            mom = self.outer_momentum
+            outer_optimizer = torch.optim.SGD([p for _, p in named], lr=self.outer_lr, momentum=mom, nesterov=mom > 0)
+            self._default_outer = True
+        else:
+            self._default_outer = False
+        self.outer_optimizer = outer_optimizer
         self.inner_step = 0   # inner steps taken since the last outer synchronisation
         self.outer_step = 0   # outer synchronisations so far
         self.last_stats: dict = {}
@@ -214,19 +334,27 @@ class DiLoCo:
     @torch.no_grad()
     def sync(self) -> None:
         """The outer synchronisation now (``step`` calls it every ``sync_every`` calls): reduce the
-        pseudo-gradient, average, outer Nesterov step on the shared parameters, write them back."""
+        pseudo-gradient, average, one outer optimizer step from the shared parameters with the average
+        as ``.grad``; its result is the new shared parameters. The parameters' ``.grad`` are restored."""
         t0 = time.perf_counter()
         P = self.comm.world_size
         stats = {"select_s": 0.0, "comm_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "selected": 0}
         for g in self.groups:
             out = g.reducer.reduce(g.pseudo_gradient())
-            g.shared.grad = torch.div(out, P, out=g.average)
+            torch.div(out, P, out=g.average)
             for k in stats:
                 stats[k] += g.reducer.stats.get(k, 0) or 0
-        self.outer_optimizer.step()
+        inner_grads = [p.grad for g in self.groups for p in g.params]  # the inner optimizer's, put back below
+        try:
+            for g in self.groups:
+                g.write_back()
+                g.set_grads()
+            self.outer_optimizer.step()
+        finally:
+            for p, grad in zip((p for g in self.groups for p in g.params), inner_grads):
+                p.grad = grad
         for g in self.groups:
-            g.shared.grad = None
-            g.write_back()
+            g.read_back()
         self.inner_step = 0
         self.outer_step += 1
         self.last_stats = {"synced": True, "outer_step": self.outer_step, "outer_s": time.perf_counter() - t0,
@@ -234,42 +362,129 @@ class DiLoCo:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """Shared parameters, outer optimizer, cycle position and reducers' states (no process group)."""
-        return {"format": STATE_FORMAT, "reducer": self.reducer_name,
+        """The world size and rank, shared parameters, the outer optimizer's ``state_dict()``, the cycle
+        position and the reducers' states: tensors and plain data (no process group), copies (nothing
+        in it changes as training goes on)."""
+        return {"format": STATE_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
+                "reducer": self.reducer_name,
                 "sync_every": "auto" if self.auto_period is not None else self.sync_every,
                 "period": None if self.auto_period is None else self.auto_period.state_dict(),
                 "inner_step": self.inner_step, "outer_step": self.outer_step,
                 "shared": [g.shared.detach().cpu().clone() for g in self.groups],
-                "outer_optimizer": self.outer_optimizer.state_dict(),
+                "outer_optimizer": copy.deepcopy(self.outer_optimizer.state_dict()),
                 "reducers": [g.reducer.state_dict() for g in self.groups]}
 
     def load_state_dict(self, d: dict) -> None:
-        """Restore :meth:`state_dict`'s output; a ``ValueError`` names any mismatch (nothing is changed then)."""
-        if not isinstance(d, dict) or d.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a DiLoCo state dict (format {d.get('format') if isinstance(d, dict) else None!r}, "
-                             f"expected {STATE_FORMAT!r})")
-        mine = "auto" if self.auto_period is not None else self.sync_every
-        if d["sync_every"] != mine or d["reducer"] != self.reducer_name:
-            raise ValueError(f"DiLoCo state of sync_every={d['sync_every']}, reducer={d['reducer']!r} cannot be "
-                             f"loaded into sync_every={mine}, reducer={self.reducer_name!r}")
-        period = int(d["period"]["period"]) if self.auto_period is not None else self.sync_every
-        shared = d["shared"]
-        if len(shared) != len(self.groups) or any(s.shape != g.shared.shape for s, g in zip(shared, self.groups)):
-            raise ValueError("DiLoCo state: the shared parameters do not match this module's parameter groups "
-                             f"({[tuple(s.shape) for s in shared]} vs {[tuple(g.shared.shape) for g in self.groups]})")
-        if not 0 <= int(d["inner_step"]) < period:
-            raise ValueError(f"DiLoCo state: inner_step {d['inner_step']} outside [0, {period})")
+        """Restore :meth:`state_dict`'s output. The whole state is checked first - format, world size
+        and rank, ``sync_every`` and reducer, the shared parameters' shapes and dtypes, the cycle
+        position, the outer optimizer state's structure, every reducer's state - and any mismatch is a
+        one-line ``ValueError`` with nothing changed. A state of another world size or another rank is
+        refused (the residuals are per rank, the outer step per world). A state without world size and
+        rank (format ``sparsync-diloco/1``, before the outer optimizer stepped the module's parameters)
+        loads as before, its flat outer momentum split exactly into the default SGD's per-parameter
+        buffers; with a caller's ``outer_optimizer`` it is refused."""
+        opt_state = self._check_state(d)
+        reducers_before = [g.reducer.state_dict() for g in self.groups]
+        try:
+            for r, g in zip(d["reducers"], self.groups):
+                g.reducer.load_state_dict(r)
+            self.outer_optimizer.load_state_dict(copy.deepcopy(opt_state))  # (its own tensors, not the caller's)
+        except BaseException:
+            for r, g in zip(reducers_before, self.groups):
+                g.reducer.load_state_dict(r)
+            raise
         with torch.no_grad():
-            for s, g in zip(shared, self.groups):
+            for s, g in zip(d["shared"], self.groups):
                 g.shared.copy_(s)
-        self.outer_optimizer.load_state_dict(d["outer_optimizer"])
-        for r, g in zip(d["reducers"], self.groups):
-            g.reducer.load_state_dict(r)
-        self.inner_step, self.outer_step = int(d["inner_step"]), int(d["outer_step"])
+        self.inner_step, self.outer_step = d["inner_step"], d["outer_step"]
         if self.auto_period is not None:
             self.auto_period.load_state_dict(d["period"])
             self.sync_every = self.auto_period.period
         self._last_end = None
+
+    def _check_state(self, d) -> dict:
+        """A one-line ``ValueError`` for anything in ``d`` this object cannot load; else the outer
+        optimizer's state to load (that of a version-1 state converted)."""
+        from ..reducers.resume import check_reducer_state
+
+        fmt = d.get("format") if isinstance(d, dict) else None
+        if fmt not in (STATE_FORMAT, STATE_FORMAT_V1):
+            raise ValueError(f"not a DiLoCo state dict (format {fmt!r}, expected {STATE_FORMAT!r})")
+        P, rank = self.comm.world_size, self.comm.rank
+        if "world_size" in d and d["world_size"] != P:
+            raise ValueError(f"DiLoCo state saved at world size {d['world_size']!r} cannot be loaded at world size "
+                             f"{P}: the pseudo-gradient residuals and the outer step are per world (resume at the same "
+                             "size)")
+        if "rank" in d and d["rank"] != rank:
+            raise ValueError(f"DiLoCo state saved by rank {d['rank']!r} cannot be loaded on rank {rank}: the reducers' "
+                             "residuals are per rank (load every rank's own state)")
+        mine = "auto" if self.auto_period is not None else self.sync_every
+        if d.get("sync_every") != mine or d.get("reducer") != self.reducer_name:
+            raise ValueError(f"DiLoCo state of sync_every={d.get('sync_every')}, reducer={d.get('reducer')!r} "
+                             f"cannot be loaded into sync_every={mine}, reducer={self.reducer_name!r}")
+        period = self._check_period(d.get("period")) if self.auto_period is not None else self.sync_every
+        shared = d.get("shared")
+        if (not isinstance(shared, list) or len(shared) != len(self.groups)
+                or any(not isinstance(s, torch.Tensor) or s.shape != g.shared.shape or s.dtype != g.shared.dtype
+                       for s, g in zip(shared, self.groups))):
+            got = ([(tuple(s.shape), s.dtype) if isinstance(s, torch.Tensor) else type(s).__name__ for s in shared]
+                   if isinstance(shared, list) else type(shared).__name__)
+            raise ValueError("DiLoCo state: the shared parameters do not match this module's parameter groups "
+                             f"({got} vs {[(tuple(g.shared.shape), g.shared.dtype) for g in self.groups]})")
+        if not _nonneg_int(d.get("inner_step"), "inner_step") < period:
+            raise ValueError(f"DiLoCo state: inner_step {d['inner_step']} outside [0, {period})")
+        _nonneg_int(d.get("outer_step"), "outer_step")
+        opt_state = d.get("outer_optimizer")
+        if fmt == STATE_FORMAT_V1:
+            opt_state = self._outer_state_from_v1(opt_state)
+        _check_optimizer_state(self.outer_optimizer, opt_state)
+        reducers = d.get("reducers")
+        if not isinstance(reducers, list) or len(reducers) != len(self.groups):
+            n = len(reducers) if isinstance(reducers, list) else type(reducers).__name__
+            raise ValueError(f"DiLoCo state: {n} reducer states for {len(self.groups)} parameter groups")
+        for r, g in zip(reducers, self.groups):
+            check_reducer_state(g.reducer, r)
+        return opt_state
+
+    def _check_period(self, ps) -> int:
+        """``sync_every="auto"``: the period in a state (checked with its measurements)."""
+        def numbers(v):
+            return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+        p = ps.get("period") if isinstance(ps, dict) else None
+        if (isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= self.auto_period.max_period
+                or not numbers(ps.get("steps")) or not numbers(ps.get("syncs"))
+                or not isinstance(ps.get("history"), list)):
+            raise ValueError(f"DiLoCo state: the automatic period must hold period (an integer in [1, "
+                             f"{self.auto_period.max_period}]) and the lists steps, syncs, history; got {p!r}")
+        return p
+
+    def _outer_state_from_v1(self, sd) -> dict:
+        """A version-1 outer-optimizer state (the default SGD over the flat shared buffers, one per
+        group) as the default SGD's state over the module's parameters: each flat momentum buffer split
+        into the parameters' pieces (exact: SGD is elementwise)."""
+        if not self._default_outer:
+            raise ValueError(f"a {STATE_FORMAT_V1} DiLoCo state holds the default outer SGD's state; load it with "
+                             f"the default outer optimizer, not a {type(self.outer_optimizer).__name__}")
+        groups = sd.get("param_groups") if isinstance(sd, dict) else None
+        if (not isinstance(sd.get("state") if isinstance(sd, dict) else None, dict) or not isinstance(groups, list)
+                or len(groups) != 1 or not isinstance(groups[0], dict)
+                or len(groups[0].get("params") or ()) != len(self.groups)):
+            raise ValueError(f"DiLoCo state ({STATE_FORMAT_V1}): the outer optimizer's state must be SGD over "
+                             f"{len(self.groups)} flat buffers")
+        index = {id(p): i for i, p in enumerate(self.outer_optimizer.param_groups[0]["params"])}
+        state = {}
+        for k, g in zip(groups[0]["params"], self.groups):
+            entry = sd["state"].get(k)
+            buf = entry.get("momentum_buffer") if isinstance(entry, dict) else None
+            if buf is None:
+                continue
+            if not isinstance(buf, torch.Tensor) or buf.numel() != g.shared.numel():
+                raise ValueError(f"DiLoCo state ({STATE_FORMAT_V1}): a momentum buffer for a group of "
+                                 f"{g.shared.numel()} parameters entries is not a tensor of that size")
+            for p, piece in zip(g.params, torch.split(buf.reshape(-1), g.sizes)):
+                state[index[id(p)]] = {"momentum_buffer": piece.reshape(p.shape).clone()}
+        return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(index)))}]}
 
     # the names SparseDDP uses for its own sparsync state (the trainer checkpoints either the same way)
     sparsync_state_dict = state_dict
