@@ -2,7 +2,8 @@
 train with the sparsync hook; parameters are bitwise equal across ranks; a checkpoint written by one rank
 + resume is bitwise equal to the uninterrupted run; and without the hook the result differs (the hook
 really ran). Each test is skipped when its client is not installed, and fails instead under
-``SPARSYNC_REQUIRE_INTEGRATIONS=1`` (``make test-integrations``, which CI runs after installing them). The ranks run under a timeout: a regression fails, never hangs."""
+``SPARSYNC_REQUIRE_INTEGRATIONS=1`` (``make test-integrations``, which CI runs after installing them).
+The ranks run under a timeout: a regression fails, never hangs."""
 
 from __future__ import annotations
 
