@@ -346,7 +346,7 @@ def _gpt(width: int = 384, layers: int = 2, heads: int = 4, context: int = 32,
 #: ``gpt-long``: the ``gpt`` model trained long enough for real synchronisation periods - 1200 steps, so
 #: H = 16 / 32 give 75 / 37 outer steps - with a target that dense synchronous training reaches at about
 #: 63 % of the run and DiLoCo averaging every 16 steps at about 83 % (held-out loss 1.3 at ~760 and ~990
-#: steps; final 1.09 and 1.21; 4 workers of batch 4, one seed)
+#: steps; final 1.09 and 1.21; global batch 16 - dense as one worker of 16, DiLoCo as 4 of 4 -, one seed)
 GPT_LONG_DEFAULTS = {"steps": 1200, "target_loss": 1.3, "eval_every": 50, "lr_warmup": 60}
 
 
