@@ -322,7 +322,7 @@ def aggregate_records(summaries: list[dict]) -> list[dict]:
     from ..train.report import aggregate
 
     keys = ("step_s", "compute_s", "select_s", "comm_s", "wait_s", "bytes", "density", "time_to_target_s",
-            "steps_to_target", "final_accuracy", "x_floor", "speedup")
+            "steps_to_target", "final_accuracy", "x_floor", "link_ratio", "utilisation", "speedup")
     return [{"config": a["config"], "label": a["label"], "short": a["short"], "reducer": a["reducer"], "n": a["n"],
              "speedup_kind": a["speedup_kind"], **{k: a[k].to_dict() if a[k] is not None else None for k in keys}}
             for a in aggregate(summaries)]
