@@ -150,3 +150,37 @@ def test_trainer_resumes_a_sparse_diloco_run_bitwise_from_mid_cycle(tmp_path):
     launch(cfg("split", 12, checkpoint_every=6), resume=True)
     assert metrics("straight") == metrics("split")
     assert [m[3] for m in metrics("straight")] == [(s + 1) % 4 == 0 for s in range(12)]  # bytes only at syncs
+
+
+@pytest.mark.parametrize("configs,kind,hyper", [
+    ("topka:0.02,sync_every=4", "SGD", {"lr": 0.7, "momentum": 0.9, "nesterov": True}),
+    ("topka:0.02,sync_every=4,outer=nesterov,outer_momentum=0.5", "SGD",
+     {"lr": 0.7, "momentum": 0.5, "nesterov": True}),
+    ("topka:0.02,sync_every=4,outer=sgd,outer_lr=0.5", "SGD", {"lr": 0.5, "momentum": 0.9, "nesterov": False}),
+    ("topka:0.02,sync_every=4,outer=adam,outer_lr=0.001,outer_momentum=0.8", "Adam",
+     {"lr": 0.001, "betas": (0.8, 0.999)}),
+])
+def test_compare_rows_name_the_outer_optimizer(configs, kind, hyper):
+    """``outer=nesterov|sgd|adam`` in a row builds that outer optimizer over the model's parameters with
+    the row's outer_lr / outer_momentum (Adam's beta1), and the label names a non-default one."""
+    from sparsync.threadcomm import ThreadWorld
+
+    _, cfgs = plan(_args(configs + ";dense"))
+    cfg = next(c for c in cfgs if c.local_steps)
+    assert ("outer adam" in cfg.label()) == (kind == "Adam")
+    assert ("outer sgd" in cfg.label()) == ("outer=sgd" in configs)
+    model = torch.nn.Linear(4, 2)
+    _, dl, _ = local.wrap(cfg, model, ThreadWorld(1).comms()[0], torch.optim.SGD(model.parameters(), lr=0.1))
+    group = dl.outer_optimizer.param_groups[0]
+    assert type(dl.outer_optimizer).__name__ == kind
+    assert {k: group[k] for k in hyper} == hyper
+    assert [id(p) for p in group["params"]] == [id(p) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("configs,msg", [
+    ("topka:0.02,sync_every=4,outer=rmsprop", "outer must be one of nesterov, sgd, adam"),
+    ("topka:0.02,sync_every=4,outer=adam", "outer=adam needs outer_lr"),
+])
+def test_bad_outer_optimizers_are_one_line_errors(configs, msg):
+    with pytest.raises(UsageError, match=msg):
+        plan(_args(configs))

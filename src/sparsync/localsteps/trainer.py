@@ -5,8 +5,9 @@ Two kinds of run (``TrainConfig.local_steps``, compare syntax in :mod:`sparsync.
 * ``reducer="ddp-localsgd<H>"``: torch's post-local SGD (:mod:`.postlocal`), options ``warmup``
   (synchronous steps before local SGD starts; default :data:`DEFAULT_WARMUP`);
 * any registered reducer with ``local_steps={"sync_every": H, ...}``: :class:`~.diloco.DiLoCo`
-  with that reducer for the pseudo-gradient, options ``outer_lr`` / ``outer_momentum`` (defaults
-  0.7 / 0.9, the DiLoCo paper's) and the run's reducer options; ``sync_every="auto"`` chooses H
+  with that reducer for the pseudo-gradient, options ``outer`` (the outer optimizer, :data:`OUTER_KINDS`:
+  ``nesterov``, the default, ``sgd`` or ``adam``), ``outer_lr`` / ``outer_momentum`` (defaults 0.7 / 0.9,
+  the DiLoCo paper's; ``adam`` needs ``outer_lr``) and the run's reducer options; ``sync_every="auto"`` chooses H
   as it goes (:mod:`.period`, options ``period_cost`` and ``max_period``).
 
 The training loop keeps its shape: it calls ``opt.zero_grad()``, ``fwd(x)``, ``backward()``,
@@ -19,7 +20,8 @@ from __future__ import annotations
 
 from .postlocal import bytes_per_rank, parse_period
 
-__all__ = ["DEFAULT_WARMUP", "DILOCO_KEYS", "LOCAL_KEYS", "check", "is_diloco", "is_local", "step_bytes", "wrap"]
+__all__ = ["DEFAULT_WARMUP", "DILOCO_KEYS", "LOCAL_KEYS", "OUTER_KINDS", "check", "is_diloco", "is_local",
+           "outer_optimizer", "step_bytes", "wrap"]
 
 #: synchronous (all-reduce) steps before torch's post-local SGD starts its local steps
 DEFAULT_WARMUP = 1
@@ -27,8 +29,25 @@ DEFAULT_WARMUP = 1
 DILOCO_KEYS = {"sync_every": None, "outer_lr": 0.7, "outer_momentum": 0.9}
 #: DiLoCo's keys for ``sync_every="auto"`` only (:mod:`.period`)
 PERIOD_KEYS = ("period_cost", "max_period")
+#: the outer optimizers a row may name (``outer=``; not written to the configuration unless given)
+OUTER_KINDS = ("nesterov", "sgd", "adam")
 #: every key a compare configuration may give for local steps
-LOCAL_KEYS = (*DILOCO_KEYS, *PERIOD_KEYS, "warmup")
+LOCAL_KEYS = (*DILOCO_KEYS, *PERIOD_KEYS, "outer", "warmup")
+
+
+def outer_optimizer(kind: str, params, lr: float, momentum: float):
+    """The outer optimizer ``outer=kind`` names, over ``params``: ``nesterov`` DiLoCo's
+    ``SGD(lr, momentum, nesterov=momentum > 0)``; ``sgd`` heavy-ball ``SGD(lr, momentum)``;
+    ``adam`` ``Adam(lr, betas=(momentum, 0.999))``."""
+    import torch
+
+    if kind == "nesterov":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=(momentum, 0.999))
+    raise ValueError(f"outer must be one of {', '.join(OUTER_KINDS)}, got {kind!r}")
 
 
 def is_diloco(cfg) -> bool:
@@ -54,10 +73,16 @@ def check(cfg) -> None:
         return
     if not ls:
         return
-    bad = sorted(set(ls) - set(DILOCO_KEYS) - set(PERIOD_KEYS))
+    bad = sorted(set(ls) - set(DILOCO_KEYS) - set(PERIOD_KEYS) - {"outer"})
     if bad:
         raise ValueError(f"local steps (DiLoCo) have no option {', '.join(bad)}; valid: "
-                         f"{', '.join((*DILOCO_KEYS, *PERIOD_KEYS))}")
+                         f"{', '.join((*DILOCO_KEYS, *PERIOD_KEYS, 'outer'))}")
+    kind = ls.get("outer", "nesterov")
+    if kind not in OUTER_KINDS:
+        raise ValueError(f"outer must be one of {', '.join(OUTER_KINDS)}, got {kind!r}")
+    if kind == "adam" and "outer_lr" not in ls:
+        raise ValueError("outer=adam needs outer_lr=... (Adam's step is about outer_lr per entry, whatever the "
+                         "pseudo-gradient's size: no default carries over from the SGD outer step)")
     if "sync_every" not in ls:
         raise ValueError("local steps (DiLoCo) need sync_every=H")
     if cfg.is_torch_ddp or cfg.reducer == "nocomm":
@@ -99,7 +124,8 @@ def label(cfg, base: str) -> str:
     from .diloco import default_reducer_options
 
     ls = cfg.local_steps
-    outer = f"outer {ls.get('outer_lr', 0.7):g}/{ls.get('outer_momentum', 0.9):g}"
+    kind = "" if ls.get("outer", "nesterov") == "nesterov" else ls["outer"] + " "
+    outer = f"outer {kind}{ls.get('outer_lr', 0.7):g}/{ls.get('outer_momentum', 0.9):g}"
     half = ", fp16 values" if default_reducer_options(cfg.reducer, cfg.reducer_options) != cfg.reducer_options else ""
     return f"DiLoCo H={ls['sync_every']} {outer}{half}, {base}"
 
@@ -139,9 +165,12 @@ def wrap(cfg, model, comm, inner):
     from .diloco import DiLoCo
 
     ls = cfg.local_steps
+    lr, mom = ls.get("outer_lr", 0.7), ls.get("outer_momentum", 0.9)
+    kind = ls.get("outer", "nesterov")
+    outer = ({"outer_lr": lr, "outer_momentum": mom} if kind == "nesterov" else
+             {"outer_optimizer": outer_optimizer(kind, [p for p in model.parameters() if p.requires_grad], lr, mom)})
     dl = DiLoCo(model, comm, inner, sync_every=ls["sync_every"], reducer=cfg.reducer, density=cfg.density,
-                outer_lr=ls.get("outer_lr", 0.7), outer_momentum=ls.get("outer_momentum", 0.9),
-                **{k: ls[k] for k in PERIOD_KEYS if k in ls}, **cfg.reducer_options)
+                **outer, **{k: ls[k] for k in PERIOD_KEYS if k in ls}, **cfg.reducer_options)
     return model, dl, _StepThrough(dl)
 
 
