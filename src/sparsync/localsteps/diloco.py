@@ -363,8 +363,8 @@ class DiLoCo:
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """The world size and rank, shared parameters, the outer optimizer's ``state_dict()``, the cycle
-        position and the reducers' states: tensors and plain data (no process group), copies (nothing
-        in it changes as training goes on)."""
+        position and the reducers' states: tensors and plain data (no process group); the shared
+        parameters and the outer optimizer's state are copies, not the live tensors."""
         return {"format": STATE_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
                 "reducer": self.reducer_name,
                 "sync_every": "auto" if self.auto_period is not None else self.sync_every,
