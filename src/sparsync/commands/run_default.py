@@ -64,7 +64,8 @@ def register(sub) -> None:
     p.add_argument("--seeds", type=WORKERS, default=ROUNDS,
                    help=f"seeds 0 .. N-1, one round each (default {ROUNDS}): every row runs once per round")
     p.add_argument("--workers", type=WORKERS, default=4, help="ranks (processes)")
-    p.add_argument("--workload", default="digits-mlp", help="digits-mlp (default) or lm")
+    p.add_argument("--workload", default="digits-mlp",
+                   help="digits-mlp (default), lm, or gpt: the transformer comparison at r ~ 20 (gpt-long, 100 Mbit/s)")
     p.add_argument("--runs-dir", default="runs", help="the comparison goes to <runs-dir>/make-run")
     p.add_argument("--loopback", action="store_true", help="force loopback even when root")
     p.add_argument("--sparse", default=None, metavar="CONFIGS",
@@ -93,6 +94,10 @@ def run(a) -> int:
             reason = netns_unavailable_reason()
         except ImportError as e:
             reason = f"sparsync.cluster is not available ({e})"
+    if a.workload in ("gpt", "gpt-long"):
+        from ._run_default_gpt import run_gpt
+
+        return run_gpt(a, reason)
     if reason:
         network = "loopback"
         msg = (f"NOTE: running over LOOPBACK, not the emulated 1 Gbit/s network ({reason}). Loopback moves "

@@ -61,6 +61,7 @@ import time
 import torch
 from torch import nn
 
+from .outer import V1, check_optimizer_state, check_outer_optimizer, nonneg_int, outer_state_from_v1
 from .period import MAX_PERIOD, AutoPeriod, default_period_cost
 
 __all__ = ["DiLoCo", "STATE_FORMAT", "default_reducer_options"]
@@ -68,7 +69,7 @@ __all__ = ["DiLoCo", "STATE_FORMAT", "default_reducer_options"]
 STATE_FORMAT = "sparsync-diloco/2"
 #: the format before the outer optimizer stepped the module's parameters: the default SGD's momentum
 #: over the flat shared buffers, no world size or rank (loaded with the default outer optimizer)
-STATE_FORMAT_V1 = "sparsync-diloco/1"
+STATE_FORMAT_V1 = V1
 #: the default outer optimizer (DiLoCo's: Nesterov SGD, lr 0.7, momentum 0.9)
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
@@ -83,76 +84,6 @@ def default_reducer_options(reducer: str, options: dict) -> dict:
     if "value_dtype" not in options and cls.supports_value_dtype and cls.value_dtype_conserving:
         return {**options, "value_dtype": "fp16"}
     return dict(options)
-
-
-def _check_outer_optimizer(opt, params: list[torch.Tensor], inner) -> None:
-    """A one-line error unless ``opt`` is a torch optimizer whose param groups hold exactly ``params``
-    (the module's trainable parameters), each once."""
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"outer_optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
-    if opt is inner:
-        raise ValueError("outer_optimizer must be its own optimizer, not the inner optimizer")
-    held = [p for group in opt.param_groups for p in group["params"]]
-    mine = {id(p) for p in params}
-    ids = [id(p) for p in held]
-    twice, others = len(ids) - len(set(ids)), len(set(ids) - mine)
-    missing = len(mine - set(ids))
-    if twice or others or missing:
-        raise ValueError(f"outer_optimizer must hold exactly the module's {len(params)} trainable parameters; it "
-                         f"misses {missing}, holds {others} other tensors and {twice} parameters twice")
-
-
-def _nonneg_int(v, what: str) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"DiLoCo state: {what} must be an integer >= 0, got {v!r}")
-    return v
-
-
-_GROUP_KEYS_ASIDE = ("params", "param_names")
-
-
-def _check_optimizer_state(opt, sd) -> None:
-    """A one-line ``ValueError`` unless ``sd`` has the structure of ``opt.state_dict()``: as many
-    param groups, as many parameters in each, the same hyper-parameter keys; per-parameter state
-    for those parameters only, with the keys and tensor shapes ``opt`` holds where it already has
-    state, and a parameter's shape for any tensor with as many dimensions as the parameter."""
-    what = "DiLoCo state: the outer optimizer's state"
-    if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
-        raise ValueError(f"{what} must be an optimizer state_dict (state, param_groups)")
-    saved, groups = sd["param_groups"], opt.param_groups
-    if len(saved) != len(groups):
-        raise ValueError(f"{what} has {len(saved)} param groups, this outer optimizer {len(groups)}")
-    by_index: dict = {}
-    for i, (s, g) in enumerate(zip(saved, groups)):
-        ids = s.get("params") if isinstance(s, dict) else None
-        if not isinstance(ids, list) or len(ids) != len(g["params"]):
-            n = len(ids) if isinstance(ids, list) else None
-            raise ValueError(f"{what}: param group {i} holds {n} parameters, this outer optimizer's {len(g['params'])}")
-        keys = sorted(k for k in s if k not in _GROUP_KEYS_ASIDE)
-        want = sorted(k for k in g if k not in _GROUP_KEYS_ASIDE)
-        if keys != want:
-            raise ValueError(f"{what}: param group {i} has the keys {keys}, this outer optimizer's {want} "
-                             f"(another optimizer class?)")
-        for k, p in zip(ids, g["params"]):
-            if isinstance(k, bool) or not isinstance(k, int) or k in by_index:
-                raise ValueError(f"{what}: parameter ids must be distinct integers, got {k!r} twice or of another type")
-            by_index[k] = p
-    current = opt.state_dict()["state"]
-    for k, st in sd["state"].items():
-        if k not in by_index or not isinstance(st, dict):
-            raise ValueError(f"{what}: state for parameter {k!r}, which no param group holds (or not a dict)")
-        p, now = by_index[k], current.get(k)
-        if now is not None and sorted(st) != sorted(now):
-            raise ValueError(f"{what}: parameter {k} has the state keys {sorted(st)}, this outer optimizer's "
-                             f"{sorted(now)}")
-        for name, v in st.items():
-            if not isinstance(v, torch.Tensor):
-                continue
-            ref = now.get(name) if now is not None else None
-            want = tuple(ref.shape) if isinstance(ref, torch.Tensor) else (
-                tuple(p.shape) if v.dim() == p.dim() and v.dim() > 0 else None)
-            if want is not None and tuple(v.shape) != want:
-                raise ValueError(f"{what}: {name} of parameter {k} has shape {tuple(v.shape)}, expected {want}")
 
 
 class _Group:
@@ -253,7 +184,7 @@ class DiLoCo:
             if given:
                 raise ValueError(f"{' and '.join(given)} configure the default outer SGD; with outer_optimizer "
                                  "set them on that optimizer")
-            _check_outer_optimizer(outer_optimizer, [p for p in module.parameters() if p.requires_grad],
+            check_outer_optimizer(outer_optimizer, [p for p in module.parameters() if p.requires_grad],
                                    inner_optimizer)
         else:
             outer_lr = OUTER_LR if outer_lr is None else outer_lr
@@ -431,13 +362,13 @@ class DiLoCo:
                    if isinstance(shared, list) else type(shared).__name__)
             raise ValueError("DiLoCo state: the shared parameters do not match this module's parameter groups "
                              f"({got} vs {[(tuple(g.shared.shape), g.shared.dtype) for g in self.groups]})")
-        if not _nonneg_int(d.get("inner_step"), "inner_step") < period:
+        if not nonneg_int(d.get("inner_step"), "inner_step") < period:
             raise ValueError(f"DiLoCo state: inner_step {d['inner_step']} outside [0, {period})")
-        _nonneg_int(d.get("outer_step"), "outer_step")
+        nonneg_int(d.get("outer_step"), "outer_step")
         opt_state = d.get("outer_optimizer")
         if fmt == STATE_FORMAT_V1:
-            opt_state = self._outer_state_from_v1(opt_state)
-        _check_optimizer_state(self.outer_optimizer, opt_state)
+            opt_state = outer_state_from_v1(self, opt_state)
+        check_optimizer_state(self.outer_optimizer, opt_state)
         reducers = d.get("reducers")
         if not isinstance(reducers, list) or len(reducers) != len(self.groups):
             n = len(reducers) if isinstance(reducers, list) else type(reducers).__name__
@@ -458,33 +389,6 @@ class DiLoCo:
             raise ValueError(f"DiLoCo state: the automatic period must hold period (an integer in [1, "
                              f"{self.auto_period.max_period}]) and the lists steps, syncs, history; got {p!r}")
         return p
-
-    def _outer_state_from_v1(self, sd) -> dict:
-        """A version-1 outer-optimizer state (the default SGD over the flat shared buffers, one per
-        group) as the default SGD's state over the module's parameters: each flat momentum buffer split
-        into the parameters' pieces (exact: SGD is elementwise)."""
-        if not self._default_outer:
-            raise ValueError(f"a {STATE_FORMAT_V1} DiLoCo state holds the default outer SGD's state; load it with "
-                             f"the default outer optimizer, not a {type(self.outer_optimizer).__name__}")
-        groups = sd.get("param_groups") if isinstance(sd, dict) else None
-        if (not isinstance(sd.get("state") if isinstance(sd, dict) else None, dict) or not isinstance(groups, list)
-                or len(groups) != 1 or not isinstance(groups[0], dict)
-                or len(groups[0].get("params") or ()) != len(self.groups)):
-            raise ValueError(f"DiLoCo state ({STATE_FORMAT_V1}): the outer optimizer's state must be SGD over "
-                             f"{len(self.groups)} flat buffers")
-        index = {id(p): i for i, p in enumerate(self.outer_optimizer.param_groups[0]["params"])}
-        state = {}
-        for k, g in zip(groups[0]["params"], self.groups):
-            entry = sd["state"].get(k)
-            buf = entry.get("momentum_buffer") if isinstance(entry, dict) else None
-            if buf is None:
-                continue
-            if not isinstance(buf, torch.Tensor) or buf.numel() != g.shared.numel():
-                raise ValueError(f"DiLoCo state ({STATE_FORMAT_V1}): a momentum buffer for a group of "
-                                 f"{g.shared.numel()} parameters entries is not a tensor of that size")
-            for p, piece in zip(g.params, torch.split(buf.reshape(-1), g.sizes)):
-                state[index[id(p)]] = {"momentum_buffer": piece.reshape(p.shape).clone()}
-        return {"state": state, "param_groups": [{**groups[0], "params": list(range(len(index)))}]}
 
     # the names SparseDDP uses for its own sparsync state (the trainer checkpoints either the same way)
     sparsync_state_dict = state_dict
