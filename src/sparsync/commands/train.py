@@ -56,8 +56,11 @@ def register(sub) -> None:
     local.add_argument("--sync-every", type=_period, default=None, metavar="H",
                        help="DiLoCo: H inner steps per outer synchronisation (the reducer sends the pseudo-gradient); "
                             "auto: chosen from the measured step and synchronisation times")
-    local.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer Nesterov SGD lr (0.7)")
-    local.add_argument("--outer-momentum", type=float, default=None, help="DiLoCo's outer momentum (0.9)")
+    local.add_argument("--outer", choices=["nesterov", "sgd", "adam"], default=None,
+                       help="DiLoCo's outer optimizer (default nesterov: Nesterov SGD; adam needs --outer-lr)")
+    local.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer lr (0.7 for SGD)")
+    local.add_argument("--outer-momentum", type=float, default=None,
+                       help="DiLoCo's outer momentum (0.9; Adam's beta1 with --outer adam)")
     local.add_argument("--local-warmup", type=int, default=None, metavar="N",
                        help="ddp-localsgd<H>: synchronous steps before local SGD (torch's start_localSGD_iter)")
     p.add_argument("--name", default=None, help="run name (directory <runs-dir>/<name>; default from the config)")
