@@ -960,6 +960,10 @@ print(native.info())
 
 
 # ---------------------------------------------------------------------- states
+#: options under which a reducer's conservation identity is exact on dyadic values (no decay, fp32)
+_EXACT = {"sparseloco": {"value_bits": 32, "ef_decay": 1.0, "chunk": 100}}
+
+
 def _saved_states(name, P, steps=70, **opts):
     from sparsync.reducers.registry import make_reducer
 
@@ -981,10 +985,10 @@ def _other_world_size():
 
     bad, names = [], sorted(n for n in load_all() if load_all().lookup(n).has_memory and n != "hier")
     for name in names:
-        states = _saved_states(name, 4)
+        states = _saved_states(name, 4, **_EXACT.get(name, {}))
         for P in (2, 8):
             def w(comm, states=states, name=name):
-                r = make_reducer(name, comm, 0.05)
+                r = make_reducer(name, comm, 0.05, **_EXACT.get(name, {}))
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     if comm.rank < len(states):

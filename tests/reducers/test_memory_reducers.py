@@ -31,7 +31,8 @@ P = 4
 N = 1000
 STEPS = 3
 #: options that make a reducer conserving (or runnable) at P = 4
-OPTIONS = {"gtopk": {"residuals": "global"}, "hier": {"sites": "2x2"}, "sparcml": {"dense_below": 0}}
+OPTIONS = {"gtopk": {"residuals": "global"}, "hier": {"sites": "2x2"}, "sparcml": {"dense_below": 0},
+           "sparseloco": {"value_bits": 32, "ef_decay": 1.0, "chunk": 100}}  # exact: fp32, undecayed
 
 
 def _memory_reducers():

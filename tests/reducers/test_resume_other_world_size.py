@@ -20,7 +20,8 @@ from sparsync.reducers.registry import load_all
 N = 1200
 SAVED_AT = 4
 #: options that make a reducer conserving (or runnable) at every P tried
-OPTIONS = {"gtopk": {"residuals": "global"}, "sparcml": {"dense_below": 0}}
+OPTIONS = {"gtopk": {"residuals": "global"}, "sparcml": {"dense_below": 0},
+           "sparseloco": {"value_bits": 32, "ef_decay": 1.0, "chunk": 100}}  # exact: fp32, undecayed
 
 
 def _names():

@@ -111,6 +111,9 @@ class ErrorFeedback:
     """The residual of one reducer and its work buffers (see the module docstring).
 
     Args:
+        decay: ``ef_decay``, the factor on the residual before it is added (``acc = decay * residual +
+            grad``; 1: plain error feedback; < 1: SparseLoCo's decayed feedback, Sarfi et al. 2025),
+            in a fresh buffer.
         in_place: accumulate into recycled buffers (the residual's own, or two alternating ones with
             the input check) instead of a new tensor per step.
         wire_dtype: dtype of the values on the wire (None: the accumulator's own); :meth:`take`
@@ -120,7 +123,10 @@ class ErrorFeedback:
     """
 
     def __init__(self, *, in_place: bool = False, wire_dtype: torch.dtype | None = None,
-                 on_nonfinite: NonfiniteHandler | None = None):
+                 on_nonfinite: NonfiniteHandler | None = None, decay: float = 1.0):
+        if not 0.0 < float(decay) <= 1.0:
+            raise ValueError(f"ef_decay must be in (0, 1], got {decay!r}")
+        self.decay = float(decay)
         self.in_place = bool(in_place)
         self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
@@ -170,6 +176,12 @@ class ErrorFeedback:
             return res
         if padded is not None:
             return self._add_padded(grad, res, padded)
+        if res is not None and self.decay != 1.0:  # decayed feedback: acc = decay * residual + grad, one pass
+            out = torch.empty(grad.shape, dtype=torch.result_type(grad, res), device=grad.device)
+            torch.add(grad, res, alpha=self.decay, out=out)
+            if self.on_nonfinite is not None and not sums_finite(out):
+                self.on_nonfinite(grad, res)
+            return out
         if res is None:
             out = torch.empty_like(grad, memory_format=torch.contiguous_format)
             return sum_checked(out, grad, None, self.on_nonfinite)

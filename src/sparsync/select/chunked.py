@@ -1,0 +1,61 @@
+"""Chunked top-k: the ``k`` largest magnitudes of every chunk of ``chunk`` consecutive entries.
+
+SparseLoCo (Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo", arXiv 2508.15706,
+2025) cuts each tensor into chunks of 64 x 64 = 4096 entries and sends the top 64 of each (1.56 %):
+every chunk sends the same count, so the wire needs no counts, a chunk-local index fits in
+``log2(chunk)`` bits (12 for 4096), and selection is one batched pass instead of a global top-k.
+
+Contract of :func:`chunked_topk`: for ``x`` of ``n`` entries, the full chunks ``[c*chunk, (c+1)*chunk)``
+each give exactly ``k`` indices; a last, short chunk of ``r`` entries gives :func:`short_chunk_k`
+``= max(1, round(k * r / chunk))`` (at most ``r``) - its proportional share. Within a chunk the
+entries of largest ``|x|`` win, and among equal magnitudes the lower index (the house's tie rule, so
+every rank that holds the same values selects the same entries). Indices come back global, sorted,
+int64. Passes: one ``topk`` over the magnitudes (batched per chunk) for the k-th magnitude, then one
+comparison pass and a prefix count over the ties.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["chunked_topk", "short_chunk_k", "per_chunk_k"]
+
+
+def short_chunk_k(k: int, chunk: int, rest: int) -> int:
+    """Entries a last chunk of ``rest`` entries sends: its share of ``k``, at least 1, at most ``rest``."""
+    return min(rest, max(1, round(k * rest / chunk)))
+
+
+def per_chunk_k(density: float, chunk: int) -> int:
+    """``k`` per full chunk for a density: ``round(density * chunk)``; a one-line error below 1."""
+    k = int(round(float(density) * int(chunk)))
+    if k < 1:
+        raise ValueError(f"density {density:g} x chunk {chunk} = {density * chunk:.3g} entries per chunk: "
+                         "at least one must be sent (raise the density or the chunk)")
+    return min(k, int(chunk))
+
+
+def _rows_topk(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Bool mask ``[rows, width]``: the ``k`` largest of every row of ``a`` (ties: the lower column)."""
+    if k >= a.shape[1]:
+        return torch.ones_like(a, dtype=torch.bool)
+    kth = torch.topk(a, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
+    above = a > kth
+    tied = a == kth
+    need = k - above.sum(dim=1, keepdim=True)  # ties to take, by ascending column
+    return above | (tied & (torch.cumsum(tied, dim=1) <= need))
+
+
+def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """Global sorted int64 indices of the per-chunk top-``k`` of ``|x|`` (module docstring)."""
+    n = x.numel()
+    full, rest = divmod(n, chunk)
+    a = x.detach().reshape(-1).abs()
+    parts = []
+    if full:
+        mask = _rows_topk(a[: full * chunk].view(full, chunk), k)
+        parts.append(torch.nonzero(mask.reshape(-1)).squeeze(1))
+    if rest:
+        last = _rows_topk(a[full * chunk:].view(1, rest), short_chunk_k(k, chunk, rest))
+        parts.append(torch.nonzero(last.reshape(-1)).squeeze(1) + full * chunk)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -1,0 +1,81 @@
+"""Low-bit values with a per-tensor table, and fixed-width bit packing for codes and chunk-local indices.
+
+SparseLoCo (Sarfi et al., arXiv 2508.15706, 2025) sends its selected values in 2 bits: 4 bins over
++-6 sigma, each decoded to a per-tensor table entry. :func:`quantise` does that for ``bits`` in 2, 4, 8:
+
+* ``sigma`` is the RMS of the selected values, ``L = 6 sigma``; the ``2^bits`` bins cut ``[-L, L]``
+  evenly (values beyond it fall in the outer bins), and a value's code is its bin;
+* the table holds, per bin, the **mean of the values in that bin** (0 for an empty bin): the decode
+  with the least squared error for these bins, so a value and its decode lie in the same bin;
+* the decoded values are what travels in effect; the caller keeps ``value - decode`` in its residual
+  (error feedback), so nothing is lost, only delayed.
+
+Everything is deterministic torch arithmetic on the sender's values; receivers use the sender's table.
+``bits`` 16 / 32 send fp16 / fp32 values (no table). :func:`pack_bits` / :func:`unpack_bits` put
+non-negative integers of ``width`` bits next to each other, little-endian within the byte stream
+(two 12-bit chunk-local indices in 3 bytes, four 2-bit codes in a byte): vectorised, one ``[m, width]``
+bit matrix each way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "dequantise", "payload_bytes"]
+
+#: value widths: 2, 4, 8 bits with a table; 16 (fp16) and 32 (fp32) as they are
+VALUE_BITS = (2, 4, 8, 16, 32)
+#: the bins span +-RANGE_SIGMAS x the RMS of the values
+RANGE_SIGMAS = 6.0
+_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def bits_for(count: int) -> int:
+    """Bits that hold every integer in ``[0, count)`` (at least 1)."""
+    return max(1, (int(count) - 1).bit_length())
+
+
+def pack_bits(v: torch.Tensor, width: int) -> torch.Tensor:
+    """uint8 bytes holding the ``width``-bit integers ``v`` (``ceil(len(v) * width / 8)`` bytes)."""
+    v = v.reshape(-1).to(torch.int64)
+    shifts = torch.arange(width, dtype=torch.int64, device=v.device)
+    bits = ((v.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    return (bits.view(-1, 8) * _WEIGHTS.to(v.device)).sum(dim=1, dtype=torch.int64).to(torch.uint8)
+
+
+def unpack_bits(b: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The ``count`` integers of ``width`` bits in ``b`` (:func:`pack_bits`'s inverse), int64."""
+    bits = ((b.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=b.device)) & 1).reshape(-1)
+    bits = bits[: count * width].view(count, width)
+    return (bits << torch.arange(width, device=b.device)).sum(dim=1)
+
+
+def quantise(vals: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, table)``: int64 bin codes of ``vals`` and the float32 table of bin means (module
+    docstring); ``table[codes]`` is the decode."""
+    v = vals.to(torch.float64)  # (bins and means in float64: values near fp32's limit do not overflow)
+    nbins = 1 << bits
+    rms = float(v.square().mean().sqrt()) if v.numel() else 0.0
+    if rms == 0.0:
+        return torch.zeros(v.numel(), dtype=torch.int64, device=v.device), torch.zeros(nbins, device=v.device)
+    lim = RANGE_SIGMAS * rms
+    codes = torch.floor((v + lim) * (nbins / (2 * lim))).clamp_(0, nbins - 1).to(torch.int64)
+    sums = torch.zeros(nbins, dtype=torch.float64, device=v.device).index_add_(0, codes, v)
+    counts = torch.bincount(codes, minlength=nbins).to(torch.float64)
+    return codes, (sums / counts.clamp(min=1)).to(torch.float32)
+
+
+def dequantise(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    return table.index_select(0, codes)
+
+
+def payload_bytes(count: int, index_width: int, bits: int) -> int:
+    """Bytes of one rank's message: ``count`` packed indices, their values (codes + a float32 table of
+    ``2^bits`` entries, or fp16 / fp32 values)."""
+    idx = -(-count * index_width // 8)
+    if bits >= 16:
+        return idx + count * bits // 8
+    return idx + -(-count * bits // 8) + 4 * (1 << bits)

@@ -1,0 +1,193 @@
+"""SparseLoCo's exchange (``sparseloco``): decayed error feedback, chunked top-k, low-bit values with a
+per-tensor table, an all-gather of fixed-size messages; and its pieces against references."""
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.reducers.memory import ErrorFeedback
+from sparsync.reducers.sparseloco import SparseLoCoReducer, selected_count
+from sparsync.select.chunked import chunked_topk, short_chunk_k
+from sparsync.select.quantise import RANGE_SIGMAS, pack_bits, quantise, unpack_bits
+
+N = 1050  # ten chunks of 100 and a short one of 50
+
+
+def _dyadic(gen, n):
+    return torch.randint(-64, 65, (n,), generator=gen).to(torch.float32) / 64
+
+
+def _brute_chunked(x, chunk, k):
+    out = []
+    for start in range(0, x.numel(), chunk):
+        part = x[start:start + chunk].abs().tolist()
+        kk = k if len(part) == chunk else short_chunk_k(k, chunk, len(part))
+        order = sorted(range(len(part)), key=lambda i: (-part[i], i))  # larger first, then the lower index
+        out += sorted(start + i for i in order[:kk])
+    return torch.tensor(out, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("n,chunk,k", [(1050, 100, 5), (1000, 100, 7), (37, 8, 3), (5, 8, 2), (4096, 4096, 64)])
+def test_chunked_topk_equals_a_brute_force_reference_with_ties_and_a_short_chunk(n, chunk, k):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randint(-4, 5, (n,), generator=g).to(torch.float32)  # few distinct magnitudes: ties everywhere
+    got = chunked_topk(x, chunk, k)
+    assert torch.equal(got, _brute_chunked(x, chunk, k))
+    y = torch.randn(n, generator=g)
+    y[min(chunk, n) - 1], y[chunk % n] = 50.0, -50.0  # the largest entries on a chunk boundary
+    assert torch.equal(chunked_topk(y, chunk, k), _brute_chunked(y, chunk, k))
+
+
+def test_bit_packing_round_trip():
+    g = torch.Generator().manual_seed(0)
+    for width in (1, 2, 3, 7, 12, 13):
+        v = torch.randint(0, 1 << width, (101,), generator=g)
+        b = pack_bits(v, width)
+        assert b.dtype == torch.uint8 and b.numel() == -(-101 * width // 8)
+        assert torch.equal(unpack_bits(b, width, 101), v)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_quantiser_decodes_each_value_inside_its_own_bin(bits):
+    v = torch.randn(2000, generator=torch.Generator().manual_seed(bits)) * 3
+    codes, table = quantise(v, bits)
+    dec = table[codes]
+    nb, lim = 1 << bits, RANGE_SIGMAS * float(v.square().mean().sqrt())
+    again = torch.floor((dec + lim) * (nb / (2 * lim))).clamp(0, nb - 1).long()
+    assert torch.equal(again, codes)  # the decode lies in the value's bin
+    for c in codes.unique():  # and is the mean of that bin's values
+        assert torch.allclose(table[c], v[codes == c].mean(), rtol=1e-5, atol=1e-6)
+    assert float((v - dec).square().mean()) < float(v.square().mean())
+
+
+def test_decayed_error_feedback_law_holds_exactly():
+    """sent + new residual == decay x old residual + input, bit for bit (dyadic values, decay 1/2)."""
+    m = ErrorFeedback(decay=0.5)
+    g = torch.Generator().manual_seed(1)
+    m.keep(_dyadic(g, 64))
+    old, x = m.residual.clone(), _dyadic(g, 64)
+    acc = m.add(x)
+    idx = torch.tensor([1, 5, 9])
+    vals, sent = m.take(acc, idx)
+    total = m.residual.clone()
+    total[idx] += sent
+    assert torch.equal(total, 0.5 * old + x)
+    with pytest.raises(ValueError, match="ef_decay"):
+        ErrorFeedback(decay=0.0)
+
+
+def _steps(comm, opts, steps=3, dyadic=False):
+    r = ss.make_reducer("sparseloco", comm, density=0.05, chunk=100, **opts)
+    g = torch.Generator().manual_seed(10 + comm.rank)
+    rows = []
+    for _ in range(steps):
+        x = _dyadic(g, N) if dyadic else torch.randn(N, generator=g)
+        before = None if r.residual is None else r.residual.clone()
+        out = r.reduce(x.clone())
+        rows.append((x, before, out.clone(), r.residual.clone(), dict(r.stats)))
+    return rows
+
+
+@pytest.mark.parametrize("bits,decay", [(2, 0.95), (4, 1.0), (8, 0.9), (16, 0.95), (32, 0.5)])
+def test_consistent_and_conserving_with_decay(bits, decay):
+    P = 4
+    res = ss.run_local(_steps, P, {"value_bits": bits, "ef_decay": decay}, 3, bits == 32, backend="thread")
+    for s in range(3):
+        out = res[0][s][2]
+        assert all(torch.equal(res[w][s][2], out) for w in range(P))  # bitwise on every rank
+        fed = sum(res[w][s][0] + (0 if res[w][s][1] is None else decay * res[w][s][1]) for w in range(P))
+        kept = sum(res[w][s][3] for w in range(P))
+        if bits == 32:  # dyadic values, decay 1/2: every operation exact
+            assert torch.equal(fed, out + kept)
+        else:  # the table's means are not exact: fp32 rounding only
+            assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        assert res[0][s][4]["selected"] == selected_count(N, 100, 5) == 52
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 16, 32])
+def test_ledger_counts_the_packed_message(bits):
+    res = ss.run_local(_steps, 3, {"value_bits": bits}, 1, backend="thread")
+    want = SparseLoCoReducer.predicted_cost(3, N, chunk=100, value_bits=bits, density=0.05)
+    st = res[0][0][4]
+    assert st["bytes_received"] == want["bytes_received"] and st["rounds"] == want["rounds"] == 2
+    index_bytes, value_bytes = -(-52 * 7 // 8), (52 * bits // 8 if bits >= 16 else -(-52 * bits // 8) + (4 << bits))
+    assert want["bytes_received"] == 2 * (index_bytes + value_bytes)
+
+
+def _topka_vs(comm):
+    g = torch.Generator().manual_seed(comm.rank)
+    a = ss.make_reducer("sparseloco", comm, density=0.02, chunk=N, value_bits=32, ef_decay=1.0)
+    b = ss.make_reducer("topka", comm, density=21 / N)
+    return [(a.reduce(x.clone()), b.reduce(x.clone())) for x in [torch.randn(N, generator=g) for _ in range(3)]]
+
+
+def test_one_chunk_fp32_no_decay_is_topka():
+    for outs in ss.run_local(_topka_vs, 3, backend="thread"):
+        for a, b in outs:
+            assert torch.equal(a, b)
+
+
+def _gloo_ranks(comm):
+    return [row[2] for row in _steps(comm, {"value_bits": 2}, 3)]
+
+
+@pytest.mark.gloo
+def test_ranks_bitwise_equal_on_gloo():
+    res = ss.run_local(_gloo_ranks, 3, backend="gloo", timeout=60)
+    for s in range(3):
+        assert all(torch.equal(r[s], res[0][s]) for r in res)
+
+
+def _resume(comm):
+    g = torch.Generator().manual_seed(comm.rank)
+    xs = [torch.randn(N, generator=g) for _ in range(6)]
+    straight = ss.make_reducer("sparseloco", comm, density=0.05, chunk=100)
+    outs = [straight.reduce(x.clone()) for x in xs]
+    first = ss.make_reducer("sparseloco", comm, density=0.05, chunk=100)
+    for x in xs[:3]:
+        first.reduce(x.clone())
+    second = ss.make_reducer("sparseloco", comm, density=0.05, chunk=100)
+    second.load_state_dict(first.state_dict())
+    return all(torch.equal(second.reduce(x.clone()), o) for x, o in zip(xs[3:], outs[3:]))
+
+
+def test_mid_run_resume_is_bitwise():
+    assert all(ss.run_local(_resume, 3, backend="thread"))
+
+
+@pytest.mark.parametrize("opts,msg", [({"value_bits": 3}, "value_bits"), ({"ef_decay": 0}, "ef_decay"),
+                                      ({"ef_decay": 1.5}, "ef_decay"), ({"chunk": 1}, "chunk"),
+                                      ({"chunk": 10, "density": 0.01}, "at least one")])
+def test_bad_options_are_one_line_errors(opts, msg):
+    def make(comm):
+        return ss.make_reducer("sparseloco", comm, **{"density": 0.05, **opts})
+
+    with pytest.raises(ValueError, match=msg) as e:
+        ss.run_local(make, 1, backend="thread")
+    assert "\n" not in str(e.value).split("\n")[0] and len(str(e.value).splitlines()[0]) < 200
+
+
+def _diloco(comm, reducer, opts):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = ss.DiLoCo(model, comm, opt, sync_every=1, reducer=reducer, outer_optimizer=torch.optim.SGD(
+        model.parameters(), lr=1.0), **opts)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(4):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        dl.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_diloco_h1_dense_no_decay_fp32_is_synchronous_sgd():
+    """Through DiLoCo with H = 1, outer SGD lr 1, every entry sent (density 1) in fp32 without decay:
+    the same parameters as the dense all-reduce (synchronous SGD), up to float rounding."""
+    a = ss.run_local(_diloco, 3, "sparseloco", {"density": 1.0, "chunk": 64, "value_bits": 32, "ef_decay": 1.0},
+                     backend="thread")
+    b = ss.run_local(_diloco, 3, "dense", {}, backend="thread")
+    assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
+    c = ss.run_local(_diloco, 3, "sparseloco", {"density": 0.0156, "value_bits": 2}, backend="thread")
+    assert all(torch.equal(c[0], x) for x in c)  # the one-line spelling runs, every rank alike
