@@ -301,3 +301,26 @@ def test_outer_optimizer_arguments_are_checked():
     group = dl.outer_optimizer.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"]) == (0.7, 0.9, True)
     assert [id(p) for p in group["params"]] == [id(p) for p in trainable]
+
+
+def test_default_outer_step_follows_the_inner_optimizer_family():
+    """Nesterov SGD 0.7 / 0.9 under an SGD inner optimizer; plain averaging (lr 1, no momentum) under
+    Adam / AdamW, in the library and in the trainer's configuration alike."""
+    from sparsync.localsteps.outer import default_outer
+    from sparsync.train.config import TrainConfig
+    from sparsync.train.validation import validate
+
+    def outer(inner_cls):
+        def w(comm):
+            m = torch.nn.Linear(3, 2)
+            d = ss.DiLoCo(m, comm, inner_cls(m.parameters(), lr=0.1), sync_every=4)
+            return d.outer_lr, d.outer_momentum, d.outer_optimizer.defaults["nesterov"]
+
+        return ss.run_local(w, 1, backend="thread")[0]
+
+    assert outer(torch.optim.SGD) == (0.7, 0.9, True)
+    assert outer(torch.optim.AdamW) == outer(torch.optim.Adam) == (1.0, 0.0, False)
+    assert default_outer("adamw") == (1.0, 0.0) and default_outer("nesterov") == (0.7, 0.9)
+    cfg = TrainConfig(workload="gpt", reducer="dense", workers=2, local_steps={"sync_every": 8})
+    validate(cfg)
+    assert cfg.optimizer == "adamw" and (cfg.local_steps["outer_lr"], cfg.local_steps["outer_momentum"]) == (1.0, 0.0)

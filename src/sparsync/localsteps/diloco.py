@@ -26,7 +26,8 @@ communication (``sync_every="auto"``: H chosen at every synchronisation from the
    parameter's ``.grad`` to its part of that average, and calls ``outer_optimizer.step()`` (the
    convention of torchft's DiLoCo: the outer optimizer is an ordinary torch optimizer over the
    module's parameters). The default is DiLoCo's ``torch.optim.SGD(lr=0.7, momentum=0.9,
-   nesterov=True)`` (``outer_lr`` / ``outer_momentum`` change it; ``outer_momentum=0``: plain SGD);
+   nesterov=True)`` under an SGD inner optimizer and plain averaging (lr 1, no momentum) under Adam /
+   AdamW (``outer_lr`` / ``outer_momentum`` change it; ``outer_momentum=0``: plain SGD);
 4. the parameters it produced become the new shared parameters (copied into the flat buffers); the
    module keeps them as its parameters. The parameters' ``.grad`` are put back to what they were
    before the outer step (the inner optimizer's gradients, untouched).
@@ -61,7 +62,7 @@ import time
 import torch
 from torch import nn
 
-from .outer import V1, check_optimizer_state, check_outer_optimizer, nonneg_int, outer_state_from_v1
+from .outer import V1, check_optimizer_state, check_outer_optimizer, default_outer, nonneg_int, outer_state_from_v1
 from .period import MAX_PERIOD, AutoPeriod, default_period_cost
 
 __all__ = ["DiLoCo", "STATE_FORMAT", "default_reducer_options"]
@@ -70,8 +71,6 @@ STATE_FORMAT = "sparsync-diloco/2"
 #: the format before the outer optimizer stepped the module's parameters: the default SGD's momentum
 #: over the flat shared buffers, no world size or rank (loaded with the default outer optimizer)
 STATE_FORMAT_V1 = V1
-#: the default outer optimizer (DiLoCo's: Nesterov SGD, lr 0.7, momentum 0.9)
-OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9
 
 
 def default_reducer_options(reducer: str, options: dict) -> dict:
@@ -141,8 +140,10 @@ class DiLoCo:
             ``"topka"``, ...; see ``ss.make_reducer``).
         density: the fraction of pseudo-gradient entries a sparsifying reducer sends per outer step.
         outer_lr, outer_momentum: the default outer optimizer, ``torch.optim.SGD`` over the module's
-            trainable parameters with ``nesterov=outer_momentum > 0`` (defaults 0.7 and 0.9, the DiLoCo
-            paper's; ``outer_momentum=0``: plain SGD). Not together with ``outer_optimizer``.
+            trainable parameters with ``nesterov=outer_momentum > 0``. Defaults by the inner optimizer:
+            0.7 and 0.9 (the DiLoCo paper's) for SGD; 1 and 0 - plain averaging - for Adam / AdamW, where
+            outer momentum measurably diverges (:data:`~.outer.DEFAULT_OUTER`). Not together with
+            ``outer_optimizer``.
         outer_optimizer: any ``torch.optim.Optimizer`` whose param groups hold exactly the module's
             trainable parameters (checked before anything is set up), stepped once per outer
             synchronisation with the averaged pseudo-gradient as the parameters' ``.grad`` on the
@@ -187,8 +188,9 @@ class DiLoCo:
             check_outer_optimizer(outer_optimizer, [p for p in module.parameters() if p.requires_grad],
                                    inner_optimizer)
         else:
-            outer_lr = OUTER_LR if outer_lr is None else outer_lr
-            outer_momentum = OUTER_MOMENTUM if outer_momentum is None else outer_momentum
+            lr0, mom0 = default_outer(type(inner_optimizer).__name__)  # by the inner optimizer's family
+            outer_lr = lr0 if outer_lr is None else outer_lr
+            outer_momentum = mom0 if outer_momentum is None else outer_momentum
             if not (float(outer_lr) > 0):
                 raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
             if not (0 <= float(outer_momentum) < 1):

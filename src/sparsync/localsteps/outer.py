@@ -12,10 +12,21 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_optimizer_state", "check_outer_optimizer", "nonneg_int", "outer_state_from_v1"]
+__all__ = ["check_optimizer_state", "check_outer_optimizer", "default_outer", "nonneg_int", "outer_state_from_v1"]
 
 #: the first state format (see :mod:`.diloco`)
 V1 = "sparsync-diloco/1"
+#: the default outer SGD's (lr, momentum) by the inner optimizer's family. SGD: DiLoCo's Nesterov 0.7 / 0.9.
+#: Adam / AdamW: plain averaging (lr 1, no momentum) - on the gpt transformer outer momentum 0.9 ends far
+#: above averaging at every H measured (H = 4: 2.29 vs 1.45 held-out loss; H = 8: 2.41 vs 1.59; H = 32 over
+#: 1200 steps: 1.77 vs 1.38), while averaging converges from H = 1 (synchronous SGD) to 32
+DEFAULT_OUTER = {"sgd": (0.7, 0.9), "adam": (1.0, 0.0)}
+
+
+def default_outer(optimizer_name: str | None) -> tuple[float, float]:
+    """The default outer ``(lr, momentum)`` for an inner optimizer (a class or a ``--optimizer`` name):
+    :data:`DEFAULT_OUTER` of its family, Adam's for any name with "adam" in it."""
+    return DEFAULT_OUTER["adam" if optimizer_name and "adam" in optimizer_name.lower() else "sgd"]
 
 
 def check_outer_optimizer(opt, params: list[torch.Tensor], inner) -> None:

@@ -6,8 +6,9 @@ Two kinds of run (``TrainConfig.local_steps``, compare syntax in :mod:`sparsync.
   (synchronous steps before local SGD starts; default :data:`DEFAULT_WARMUP`);
 * any registered reducer with ``local_steps={"sync_every": H, ...}``: :class:`~.diloco.DiLoCo`
   with that reducer for the pseudo-gradient, options ``outer`` (the outer optimizer, :data:`OUTER_KINDS`:
-  ``nesterov``, the default, ``sgd`` or ``adam``), ``outer_lr`` / ``outer_momentum`` (defaults 0.7 / 0.9,
-  the DiLoCo paper's; ``adam`` needs ``outer_lr``) and the run's reducer options; ``sync_every="auto"`` chooses H
+  ``nesterov``, the default, ``sgd`` or ``adam``), ``outer_lr`` / ``outer_momentum`` (defaults by the
+  run's optimizer, :data:`~.outer.DEFAULT_OUTER`: 0.7 / 0.9 for SGD, 1 / 0 for Adam and AdamW; ``adam``
+  needs ``outer_lr``) and the run's reducer options; ``sync_every="auto"`` chooses H
   as it goes (:mod:`.period`, options ``period_cost`` and ``max_period``).
 
 The training loop keeps its shape: it calls ``opt.zero_grad()``, ``fwd(x)``, ``backward()``,
@@ -18,6 +19,7 @@ as the run's sparsync state, ``last_stats`` read per step) the :class:`~.diloco.
 
 from __future__ import annotations
 
+from .outer import default_outer
 from .postlocal import bytes_per_rank, parse_period
 
 __all__ = ["DEFAULT_WARMUP", "DILOCO_KEYS", "LOCAL_KEYS", "OUTER_KINDS", "check", "is_diloco", "is_local",
@@ -96,7 +98,8 @@ def check(cfg) -> None:
                          "(no SparseDDP: one flat pseudo-gradient per outer step)")
     if cfg.merge != "single":
         raise ValueError(f"DiLoCo reduces one flat pseudo-gradient; merge must be 'single', got {cfg.merge!r}")
-    for k, v in DILOCO_KEYS.items():
+    lr0, mom0 = (None, 0.9) if kind == "adam" else default_outer(cfg.optimizer)
+    for k, v in {**DILOCO_KEYS, "outer_lr": lr0, "outer_momentum": mom0}.items():
         if v is not None:
             ls.setdefault(k, v)
     H = ls["sync_every"]

@@ -61,9 +61,9 @@ def validate(cfg: TrainConfig):
         if pol.momentum and cfg.optimizer == "adam":
             raise ValueError("momentum correction replaces SGD's momentum (the optimizer becomes plain SGD); "
                              f"it does not apply to --optimizer {cfg.optimizer}")
-    local.check(cfg)
     wl = make_workload(cfg.workload, **cfg.workload_options)
     cfg.fill_defaults(wl)
+    local.check(cfg)  # (after the workload's defaults: DiLoCo's outer defaults follow the optimizer)
     _validate_optimizer(cfg)
     if cfg.convergence and cfg.convergence.get("momentum") and cfg.optimizer == "adamw":
         from ..convergence import policy_from_options
