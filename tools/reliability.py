@@ -1012,17 +1012,24 @@ def _other_world_size():
                         "the next step conserving and bitwise equal on every rank")
 
 
+def _auto_with_carry(comm):
+    """``auto`` after 3 calls on its first candidate, switched to the second: the first's residual carried."""
+    from sparsync.reducers.registry import make_reducer
+
+    r = make_reducer("auto", comm, 0.05, candidates=["topka:0.05", "micro:0.05"])
+    for i in range(3):
+        r.reduce(torch.randn(600, generator=torch.Generator().manual_seed(i)))
+    r._switch(1)
+    return r
+
+
 @case("state", "crafted `auto` states: active -1 / 99 / 'x', a carried residual of shape (1,) or the wrong length")
 def _crafted_auto():
     import copy as _copy
 
-    from sparsync.reducers.registry import make_reducer
 
     def w(comm):
-        r = make_reducer("auto", comm, 0.05, candidates=["topka:0.05", "micro:0.05"])
-        for i in range(3):
-            r.reduce(torch.randn(600, generator=torch.Generator().manual_seed(i)))
-        r._switch(1)
+        r = _auto_with_carry(comm)
         good, out = r.state_dict(), []
         for key, value in (("active", -1), ("active", 99), ("active", "x"), ("carry", torch.full((1,), 1e3)),
                            ("carry", torch.zeros(599))):
@@ -1045,13 +1052,9 @@ def _crafted_auto():
 
 @case("state", "`auto` with a carried residual on the edge of fp32: the next call overflows")
 def _auto_carry_overflow():
-    from sparsync.reducers.registry import make_reducer
 
     def w(comm):
-        r = make_reducer("auto", comm, 0.05, candidates=["topka:0.05", "micro:0.05"])
-        for i in range(3):
-            r.reduce(torch.randn(600, generator=torch.Generator().manual_seed(i)))
-        r._switch(1)
+        r = _auto_with_carry(comm)
         r.residual = torch.full((600,), 3e38)
         before = r.residual.clone()
         try:
