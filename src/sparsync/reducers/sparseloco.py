@@ -15,7 +15,9 @@ Per rank and call:
    :func:`~sparsync.select.quantise.quantise`; 16 / 32: fp16 / fp32), and the residual keeps
    ``acc - decode`` (the quantisation error too), so
    ``sum_r (ef_decay * residual_before_r + grad_r) == out + sum_r residual_after_r`` up to fp32 rounding
-   (exactly with ``value_bits=32`` on exactly representable sums);
+   (exactly with 16 / 32-bit values on exactly representable sums). ``conserving`` (the house's
+   undecayed identity, bit for bit) is True only with ``ef_decay=1`` and 16 / 32-bit values: decay
+   sheds the residual's mass by design (SparseLoCo's choice), and a table's means round;
 4. one message per rank - chunk-local indices packed in ``log2(chunk)`` bits, the codes packed, the
    table - all-gathered (every rank's message has the same size: no count round), decoded by every
    rank and summed in rank order (one ``index_add_`` per rank), so ``out`` is bitwise identical on
@@ -64,6 +66,9 @@ class SparseLoCoReducer(Reducer):
         self.chunk, self.value_bits, self.ef_decay = int(chunk), int(value_bits), float(ef_decay)
         self.k_chunk = per_chunk_k(self.density, self.chunk)
         self.memory.decay = self.ef_decay
+        # the undecayed identity, bit for bit, only without decay (which sheds mass by design) and with
+        # 16 / 32-bit values (a table's means round in fp32): otherwise it holds as documented above
+        self.conserving = self.ef_decay == 1.0 and self.value_bits >= 16
 
     def _width(self, n: int) -> int:
         return bits_for(min(self.chunk, n))
@@ -110,9 +115,10 @@ class SparseLoCoReducer(Reducer):
         return dequantise(unpack_bits(v[:nc], bits, count), table)
 
     @classmethod
-    def predicted_cost(cls, P, n, k=None, chunk=4096, value_bits=2, density=64 / 4096, **_):
+    def predicted_cost(cls, P, n, k=None, chunk=4096, value_bits=2, density=None, **_):
         """The all-gather ring of one message per rank: ``P - 1`` rounds, ``(P - 1) m`` bytes received,
-        ``m`` = :func:`~sparsync.select.quantise.payload_bytes` of the entries sent."""
-        kc = per_chunk_k(density, chunk)
+        ``m`` = :func:`~sparsync.select.quantise.payload_bytes` of the entries sent (``density``: the
+        reducer's; else ``k / n``)."""
+        kc = per_chunk_k(density if density is not None else (k / n if k else 64 / 4096), chunk)
         m = payload_bytes(selected_count(n, chunk, kc), bits_for(min(chunk, n)), value_bits)
         return {"rounds": P - 1, "bytes_received": (P - 1) * m}
