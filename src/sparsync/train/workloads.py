@@ -355,7 +355,8 @@ def _gpt_long(**options) -> Workload:
     wl = _gpt(**options)
     wl.name = "gpt-long"
     wl.defaults = {**wl.defaults, **GPT_LONG_DEFAULTS}
-    wl.description = wl.description + f"; {GPT_LONG_DEFAULTS['steps']} steps to a held-out loss of {GPT_LONG_DEFAULTS['target_loss']}"
+    d = GPT_LONG_DEFAULTS
+    wl.description = wl.description + f"; {d['steps']} steps to a held-out loss of {d['target_loss']}"
     return wl
 
 
