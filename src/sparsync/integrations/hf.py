@@ -12,6 +12,7 @@ unless ``ddp_find_unused_parameters=False``: the hook runs on its own process gr
 * ``on_train_begin`` (after the Trainer built its DDP model and loaded a checkpoint): registers the
   hook on ``trainer.model_wrapped``; when the run resumed (``state.global_step > 0``) it loads
   ``sparsync_hook.pt`` from ``<output_dir>/checkpoint-<global_step>`` (or ``resume_from``).
+* ``on_train_end``: stops the hook's communication thread (the hook stays readable).
 * ``on_save`` (every rank, after the Trainer wrote ``checkpoint-<step>``): gathers every rank's hook
   state and the main process writes it there as ``sparsync_hook.pt``, so checkpoint rotation
   (``save_total_limit``) removes it with the rest.
@@ -61,6 +62,12 @@ class SparsyncTrainerCallback(_tf.TrainerCallback):
             else:
                 warnings.warn(f"SparsyncTrainerCallback: resumed at step {state.global_step} but {path} does not "
                               "exist: the hook starts with empty residuals (pass resume_from=)", stacklevel=2)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        """Stop the hook's communication thread once training ends (it stays registered and readable):
+        a thread still inside a collective when the process exits aborts it."""
+        if self.hook is not None:
+            self.hook.close()
 
     def on_save(self, args, state, control, **kwargs):
         if self.hook is None:
