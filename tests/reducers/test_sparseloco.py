@@ -38,6 +38,20 @@ def test_chunked_topk_equals_a_brute_force_reference_with_ties_and_a_short_chunk
     assert torch.equal(chunked_topk(y, chunk, k), _brute_chunked(y, chunk, k))
 
 
+def test_chunked_topk_mixes_chunks_with_and_without_surplus_ties():
+    """All-zero chunks, chunks tied at the k-th magnitude and continuous chunks in one call (only the
+    tied ones take the prefix-count path): the brute-force reference, chunk by chunk."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1050, generator=g)
+    x[100:200] = 0.0  # every entry tied
+    x[300:400] = torch.randint(-2, 3, (100,), generator=g).to(torch.float32)  # many tied at the k-th
+    x[500:600] = 3.0
+    x[517], x[599] = 5.0, -5.0  # two above, the rest tied: the lowest columns win
+    x[1000:] = 0.0  # the short last chunk, all tied
+    for k in (1, 5, 37):
+        assert torch.equal(chunked_topk(x, 100, k), _brute_chunked(x, 100, k))
+
+
 def test_bit_packing_round_trip():
     g = torch.Generator().manual_seed(0)
     for width in (1, 2, 3, 7, 12, 13):

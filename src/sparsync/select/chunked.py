@@ -10,8 +10,9 @@ each give exactly ``k`` indices; a last, short chunk of ``r`` entries gives :fun
 ``= max(1, round(k * r / chunk))`` (at most ``r``) - its proportional share. Within a chunk the
 entries of largest ``|x|`` win, and among equal magnitudes the lower index (the house's tie rule, so
 every rank that holds the same values selects the same entries). Indices come back global, sorted,
-int64. Passes: one ``topk`` over the magnitudes (batched per chunk) for the k-th magnitude, then one
-comparison pass and a prefix count over the ties.
+int64. Passes: ``|x|``, one ``topk`` over the magnitudes (batched per chunk) for the k-th magnitude,
+one comparison pass with a per-chunk count, the ``nonzero`` compaction; a prefix count over the columns
+only in the chunks with surplus ties at the k-th magnitude.
 """
 
 from __future__ import annotations
@@ -36,14 +37,22 @@ def per_chunk_k(density: float, chunk: int) -> int:
 
 
 def _rows_topk(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Bool mask ``[rows, width]``: the ``k`` largest of every row of ``a`` (ties: the lower column)."""
+    """Bool mask ``[rows, width]``: the ``k`` largest of every row of ``a`` (ties: the lower column).
+
+    ``a >= kth`` holds at least ``k`` entries per row, exactly ``k`` unless entries tie at the k-th
+    magnitude; only the rows with surplus ties (an all-zero chunk, repeated values) are resolved, by a
+    prefix count over their tied columns, so continuous data pays no width-sized count pass."""
     if k >= a.shape[1]:
         return torch.ones_like(a, dtype=torch.bool)
     kth = torch.topk(a, k, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
-    above = a > kth
-    tied = a == kth
-    need = k - above.sum(dim=1, keepdim=True)  # ties to take, by ascending column
-    return above | (tied & (torch.cumsum(tied, dim=1) <= need))
+    mask = a >= kth
+    rows = torch.nonzero(mask.sum(dim=1) > k).squeeze(1)
+    if rows.numel():
+        sub, t = a.index_select(0, rows), kth.index_select(0, rows)
+        above, tied = sub > t, sub == t
+        need = k - above.sum(dim=1, keepdim=True)  # ties to take, by ascending column
+        mask[rows] = above | (tied & (torch.cumsum(tied, dim=1, dtype=torch.int32) <= need))
+    return mask
 
 
 def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
