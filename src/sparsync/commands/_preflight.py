@@ -177,7 +177,7 @@ def preflight(cfg, network: bool = True):
         if cfg.name is not None:
             check_run_name(cfg.name)
         if cfg.network not in ("loopback", "thread", "torchrun"):
-            from ..cluster import link_bandwidth
+            from ..units import link_bandwidth
             from ..sites import Topology, is_topology_spec
 
             if is_topology_spec(cfg.network):  # sites: both levels' rates, bounded as one link's

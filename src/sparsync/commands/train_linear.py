@@ -148,7 +148,7 @@ def run(args) -> int:
     if not 0 <= args.test_fraction < 1:
         raise UsageError(f"--test-fraction must be in [0, 1), got {args.test_fraction:g}")
     if args.bandwidth:
-        from ..cluster import link_bandwidth
+        from ..units import link_bandwidth
         from ..train.loop import NetworkUnavailable, check_network
 
         try:
