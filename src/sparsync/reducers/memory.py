@@ -6,7 +6,8 @@ to Data-Parallel Distributed Training of Speech DNNs", Interspeech 2014; Stich, 
 reducer owns one ``ErrorFeedback`` (``reducer.memory``; ``reducer.residual`` is its residual) and
 calls it every step::
 
-    acc = memory.add(grad)                  # acc = grad + residual, one pass, the input check fused in
+    acc = memory.add(grad)                  # acc = grad + decay * residual (decay 1 unless given), one
+                                            #     pass, the input check fused in
     vals, sent = memory.take(acc, idx)      # what travels at idx; the residual keeps acc - sent there
     memory.keep(acc, idx, sent)             # or: the residual becomes acc minus what was sent at idx
     memory.keep(acc)                        # or: the residual is acc as it is (nothing sent, or a
@@ -51,7 +52,7 @@ import torch
 from .. import native
 from ..sparse import set_at
 
-__all__ = ["ErrorFeedback", "sum_checked", "sums_finite", "cpu_copy"]
+__all__ = ["ErrorFeedback", "check_decay", "sum_checked", "sums_finite", "cpu_copy"]
 
 #: ``on_nonfinite(values, residual)``: raises for a non-finite input (``residual``: the memory whose
 #: sum with finite ``values`` overflowed, or None)
@@ -65,19 +66,26 @@ def sums_finite(x: torch.Tensor) -> bool:
 
 
 def sum_checked(out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | None,
-                on_nonfinite: NonfiniteHandler | None) -> torch.Tensor:
+                on_nonfinite: NonfiniteHandler | None, decay: float = 1.0) -> torch.Tensor:
     """``out = grad + residual`` (``residual=None``: a copy of ``grad``), with the finite check of the
     SUM when ``on_nonfinite`` is given - a non-finite ``grad`` makes it non-finite, and so does a
     finite one that overflows the residual - in ONE pass where the C kernels can
     (:func:`sparsync.native.sum_check`: fp32 CPU, streaming stores), else torch's add and a check of
     ``out``. ``out`` must not overlap ``grad`` or ``residual``: when ``on_nonfinite`` raises, neither
-    has changed and nothing was sent. Bits: those of ``torch.add(grad, residual, out=out)``."""
-    if (on_nonfinite is not None and native.usable(out) and native.usable(grad)
+    has changed and nothing was sent. Bits: those of ``torch.add(grad, residual, out=out)``.
+    ``decay`` != 1: ``out = grad + decay * residual`` (``torch.add(..., alpha=decay)``, still one
+    pass; the C kernel adds undecayed only, so torch's add and a check of ``out``)."""
+    if (on_nonfinite is not None and decay == 1.0 and native.usable(out) and native.usable(grad)
             and (residual is None or native.usable(residual))):
         if not native.sum_check(out, residual, grad):
             on_nonfinite(grad, residual)
         return out
-    out = out.copy_(grad) if residual is None else torch.add(grad, residual, out=out)
+    if residual is None:
+        out = out.copy_(grad)
+    elif decay == 1.0:
+        out = torch.add(grad, residual, out=out)
+    else:
+        out = torch.add(grad, residual, alpha=decay, out=out)
     if on_nonfinite is not None and not sums_finite(out):
         on_nonfinite(grad, residual)
     return out
@@ -98,6 +106,14 @@ def round_to_wire(vals: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.T
 _FP16_MAX = 65504.0  # largest finite float16: larger magnitudes are sent saturated, the rest kept
 
 
+def check_decay(decay, who: str = "") -> float:
+    """``ef_decay`` as a float in (0, 1], or a one-line ``ValueError`` (``who``: the reducer's name)."""
+    ok = isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0.0 < float(decay) <= 1.0
+    if not ok:
+        raise ValueError(f"{who + ': ' if who else ''}ef_decay must be in (0, 1], got {decay!r}")
+    return float(decay)
+
+
 def cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
     """A detached CPU copy (for a state dict), or None."""
     return None if t is None else t.detach().cpu().clone()
@@ -112,8 +128,9 @@ class ErrorFeedback:
 
     Args:
         decay: ``ef_decay``, the factor on the residual before it is added (``acc = decay * residual +
-            grad``; 1: plain error feedback; < 1: SparseLoCo's decayed feedback, Sarfi et al. 2025),
-            in a fresh buffer.
+            grad``; 1: plain error feedback, bit for bit; < 1: SparseLoCo's decayed feedback, Sarfi et
+            al. 2025), in the same single pass and the same buffers (torch's ``add`` with ``alpha``: the
+            C kernel of :func:`sum_checked` adds undecayed only); no fold (:meth:`fold_target` is None).
         in_place: accumulate into recycled buffers (the residual's own, or two alternating ones with
             the input check) instead of a new tensor per step.
         wire_dtype: dtype of the values on the wire (None: the accumulator's own); :meth:`take`
@@ -124,9 +141,7 @@ class ErrorFeedback:
 
     def __init__(self, *, in_place: bool = False, wire_dtype: torch.dtype | None = None,
                  on_nonfinite: NonfiniteHandler | None = None, decay: float = 1.0):
-        if not 0.0 < float(decay) <= 1.0:
-            raise ValueError(f"ef_decay must be in (0, 1], got {decay!r}")
-        self.decay = float(decay)
+        self.decay = check_decay(decay)
         self.in_place = bool(in_place)
         self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
@@ -176,28 +191,23 @@ class ErrorFeedback:
             return res
         if padded is not None:
             return self._add_padded(grad, res, padded)
-        if res is not None and self.decay != 1.0:  # decayed feedback: acc = decay * residual + grad, one pass
-            out = torch.empty(grad.shape, dtype=torch.result_type(grad, res), device=grad.device)
-            torch.add(grad, res, alpha=self.decay, out=out)
-            if self.on_nonfinite is not None and not sums_finite(out):
-                self.on_nonfinite(grad, res)
-            return out
+        decay = self.decay
         if res is None:
             out = torch.empty_like(grad, memory_format=torch.contiguous_format)
             return sum_checked(out, grad, None, self.on_nonfinite)
         if (not self.in_place or res.shape != grad.shape or res.dtype != torch.result_type(grad, res)
                 or res.device != grad.device or res.data_ptr() == grad.data_ptr()):
             out = torch.empty(grad.shape, dtype=torch.result_type(grad, res), device=grad.device)
-            return sum_checked(out, grad, res, self.on_nonfinite)
+            return sum_checked(out, grad, res, self.on_nonfinite, decay)
         if self.on_nonfinite is not None:  # the checked form: into the other buffer, then swap
             spare = self._spare
             if (spare is None or spare.shape != res.shape or spare.dtype != res.dtype or spare.device != res.device
                     or _shares_storage(spare, res) or _shares_storage(spare, grad)):
                 spare = torch.empty_like(res, memory_format=torch.contiguous_format)
-            sum_checked(spare, grad, res, self.on_nonfinite)  # raises before anything is sent; res unchanged
+            sum_checked(spare, grad, res, self.on_nonfinite, decay)  # raises before anything is sent; res unchanged
             self._spare = res
             return spare
-        return res.add_(grad)
+        return res.add_(grad) if decay == 1.0 else torch.add(grad, res, alpha=decay, out=res)
 
     def take(self, acc: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(vals, sent)``: ``acc`` at the unique ``idx`` and what travels (rounded to the wire
@@ -238,10 +248,10 @@ class ErrorFeedback:
     def fold_target(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor | None:
         """The buffer a caller may add the next input of ``numel`` entries into (then
         :meth:`mark_folded`): the residual, when the next :meth:`add` would add into it in place;
-        else None (first step, ``in_place=False``, another shape, dtype or device)."""
+        else None (first step, ``in_place=False``, a ``decay`` below 1, another shape, dtype or device)."""
         res = self._residual
-        if (res is None or not self.in_place or res.dim() != 1 or res.numel() != numel or res.dtype != dtype
-                or res.device != device):
+        if (res is None or not self.in_place or self.decay != 1.0 or res.dim() != 1 or res.numel() != numel
+                or res.dtype != dtype or res.device != device):
             return None
         return res
 
@@ -260,7 +270,7 @@ class ErrorFeedback:
     def _add_padded(self, grad: torch.Tensor, res: torch.Tensor | None, padded: int) -> torch.Tensor:
         n = grad.numel()
         A = self._padded_buffer(padded, grad, res)
-        sum_checked(A[:n], grad, res, self.on_nonfinite)
+        sum_checked(A[:n], grad, res, self.on_nonfinite, self.decay)
         A[n:].zero_()
         return A
 

@@ -20,8 +20,8 @@ Per rank and call:
    sheds the residual's mass by design (SparseLoCo's choice), and a table's means round;
 4. one message per rank - chunk-local indices packed in ``log2(chunk)`` bits, the codes packed, the
    table - all-gathered (every rank's message has the same size: no count round), decoded by every
-   rank and summed in rank order (one ``index_add_`` per rank), so ``out`` is bitwise identical on
-   every rank.
+   rank and summed in rank order (one ``index_add_`` per rank, in fp32 for a half-precision gradient,
+   as ``topka`` does), so ``out`` is bitwise identical on every rank.
 
 Cost: the all-gather ring, ``P - 1`` rounds and ``(P - 1) m`` bytes received for a message of ``m``
 bytes (:func:`~sparsync.select.quantise.payload_bytes`): at 4096 / 64 / 2 bits, 2.25 bytes per sent
@@ -35,9 +35,10 @@ from __future__ import annotations
 import torch
 
 from ..select.chunked import chunked_topk, per_chunk_k, short_chunk_k
-from ..select.quantise import VALUE_BITS, bits_for, dequantise, pack_bits, payload_bytes, quantise, unpack_bits
+from ..select.quantise import bits_for, check_value_bits, decode_message, encode_message, payload_bytes
 from ..sparse import set_at
 from .base import Reducer
+from .memory import check_decay
 from .registry import register
 
 __all__ = ["SparseLoCoReducer"]
@@ -57,13 +58,9 @@ class SparseLoCoReducer(Reducer):
                  ef_decay: float = 0.95, **rest):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
             raise ValueError(f"sparseloco: chunk must be an integer >= 2, got {chunk!r}")
-        if value_bits not in VALUE_BITS:
-            raise ValueError(f"sparseloco: value_bits must be one of {', '.join(map(str, VALUE_BITS))}, "
-                             f"got {value_bits!r}")
-        if not isinstance(ef_decay, (int, float)) or isinstance(ef_decay, bool) or not 0 < ef_decay <= 1:
-            raise ValueError(f"sparseloco: ef_decay must be in (0, 1], got {ef_decay!r}")
+        value_bits, ef_decay = check_value_bits(value_bits, "sparseloco"), check_decay(ef_decay, "sparseloco")
         super().__init__(comm, density=density, **rest)
-        self.chunk, self.value_bits, self.ef_decay = int(chunk), int(value_bits), float(ef_decay)
+        self.chunk, self.value_bits, self.ef_decay = int(chunk), value_bits, ef_decay
         self.k_chunk = per_chunk_k(self.density, self.chunk)
         self.memory.decay = self.ef_decay
         # the undecayed identity, bit for bit, only without decay (which sheds mass by design) and with
@@ -74,45 +71,25 @@ class SparseLoCoReducer(Reducer):
         return bits_for(min(self.chunk, n))
 
     def _reduce(self, grad):
-        n, bits = self.numel, self.value_bits
+        n, bits, width = self.numel, self.value_bits, self._width(self.numel)
         with self.timed("select"):
             acc = self.memory.add(grad)
             idx = chunked_topk(acc, self.chunk, self.k_chunk)
             vals = acc.index_select(0, idx)
-            if bits >= 16:
-                sent = vals.to(torch.float16 if bits == 16 else torch.float32)
-                dec, tail = sent.to(acc.dtype), [sent.view(torch.uint8)]
-            else:
-                codes, table = quantise(vals, bits)
-                dec = dequantise(codes, table).to(acc.dtype)
-                tail = [pack_bits(codes, bits), table.view(torch.uint8)]
+            local = torch.remainder(idx, self.chunk)
+            msg, dec = encode_message(local, width, vals, bits)
             set_at(acc, idx, vals - dec)  # the residual keeps what the decode did not carry
             self.memory.keep(acc)
-            local = torch.remainder(idx, self.chunk)
-            msg = torch.cat([pack_bits(local, self._width(n)), *tail])
-        self.stats["selected"] = idx.numel()
+        self.stats["selected"] = count = idx.numel()
         with self.timed("comm"):
             parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
         with self.timed("select"):
-            out = self.zeros_output(n, acc.dtype, acc.device)
+            out = self.zeros_output(n, torch.promote_types(acc.dtype, torch.float32), acc.device)
             base = idx - local  # the chunks' starts: the same on every rank (fixed counts per chunk)
             for m in parts:  # rank order: the same sum, bit for bit, everywhere
-                where = base + self._decode_indices(m, idx.numel(), n)
-                out.index_add_(0, where, self._decode_values(m, idx.numel(), n).to(out.dtype))
+                where, v = decode_message(m, count, width, bits)
+                out.index_add_(0, base + where, v.to(out.dtype))
         return out
-
-    def _decode_indices(self, m: torch.Tensor, count: int, n: int) -> torch.Tensor:
-        w = self._width(n)
-        return unpack_bits(m[: -(-count * w // 8)], w, count)
-
-    def _decode_values(self, m: torch.Tensor, count: int, n: int) -> torch.Tensor:
-        bits = self.value_bits
-        v = m[-(-count * self._width(n) // 8):]
-        if bits >= 16:
-            return v.clone().view(torch.float16 if bits == 16 else torch.float32).to(torch.float32)
-        nc = -(-count * bits // 8)
-        table = v[nc:].clone().view(torch.float32)  # (a copy: aligned for the float view)
-        return dequantise(unpack_bits(v[:nc], bits, count), table)
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, chunk=4096, value_bits=2, density=None, **_):

@@ -14,20 +14,30 @@ Everything is deterministic torch arithmetic on the sender's values; receivers u
 ``bits`` 16 / 32 send fp16 / fp32 values (no table). :func:`pack_bits` / :func:`unpack_bits` put
 non-negative integers of ``width`` bits next to each other, little-endian within the byte stream
 (two 12-bit chunk-local indices in 3 bytes, four 2-bit codes in a byte): vectorised, one ``[m, width]``
-bit matrix each way.
+bit matrix each way. :func:`encode_message` / :func:`decode_message` are one rank's whole message:
+the packed positions, then the values (packed codes and the table, or the fp16 / fp32 values), exactly
+:func:`payload_bytes` bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "dequantise", "payload_bytes"]
+__all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "dequantise", "payload_bytes",
+           "encode_message", "decode_message", "check_value_bits"]
 
 #: value widths: 2, 4, 8 bits with a table; 16 (fp16) and 32 (fp32) as they are
 VALUE_BITS = (2, 4, 8, 16, 32)
 #: the bins span +-RANGE_SIGMAS x the RMS of the values
 RANGE_SIGMAS = 6.0
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def check_value_bits(bits, who: str) -> int:
+    """``value_bits`` as an int of :data:`VALUE_BITS`, or a one-line ``ValueError`` naming ``who``."""
+    if isinstance(bits, bool) or bits not in VALUE_BITS:
+        raise ValueError(f"{who}: value_bits must be one of {', '.join(map(str, VALUE_BITS))}, got {bits!r}")
+    return int(bits)
 
 
 def bits_for(count: int) -> int:
@@ -79,3 +89,27 @@ def payload_bytes(count: int, index_width: int, bits: int) -> int:
     if bits >= 16:
         return idx + count * bits // 8
     return idx + -(-count * bits // 8) + 4 * (1 << bits)
+
+
+def encode_message(where: torch.Tensor, width: int, vals: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(msg, decode)``: the uint8 message of positions ``where`` (integers below ``2^width``, packed)
+    and values ``vals`` in ``bits`` (:func:`payload_bytes` bytes), and ``decode``, what every receiver
+    decodes for ``vals`` (in ``vals``' dtype: the sender keeps ``vals - decode`` in its residual)."""
+    if bits >= 16:
+        sent = vals.to(torch.float16 if bits == 16 else torch.float32)
+        dec, tail = sent.to(vals.dtype), [sent.view(torch.uint8)]
+    else:
+        codes, table = quantise(vals, bits)
+        dec, tail = dequantise(codes, table).to(vals.dtype), [pack_bits(codes, bits), table.view(torch.uint8)]
+    return torch.cat([pack_bits(where, width), *tail]), dec
+
+
+def decode_message(msg: torch.Tensor, count: int, width: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(where, values)`` of :func:`encode_message`'s message of ``count`` entries: int64 positions and
+    float32 values (fp16 ones widened: no rounding)."""
+    ni = -(-count * width // 8)
+    where, v = unpack_bits(msg[:ni], width, count), msg[ni:]
+    if bits >= 16:  # (copies: aligned for the float views)
+        return where, v.clone().view(torch.float16 if bits == 16 else torch.float32).to(torch.float32)
+    nc = -(-count * bits // 8)
+    return where, dequantise(unpack_bits(v[:nc], bits, count), v[nc:].clone().view(torch.float32))

@@ -1,0 +1,187 @@
+"""``ef_decay`` in every buffer form of :class:`ErrorFeedback`, and the ``value_bits`` / ``ef_decay``
+options of ``topka``: today's bits when left at their defaults, SparseLoCo's exchange at one chunk when
+set, conservation up to fp32 rounding, the ledger against its formula, every rank alike."""
+
+import pytest
+import torch
+
+import sparsync as ss
+from sparsync.reducers.memory import ErrorFeedback, sum_checked
+from sparsync.reducers.topka import TopkAReducer
+from sparsync.select.quantise import bits_for, decode_message, encode_message, payload_bytes
+
+N = 1000
+
+
+def _dyadic(gen, n):
+    return torch.randint(-64, 65, (n,), generator=gen).to(torch.float32) / 64
+
+
+def _raise(values, residual):
+    raise FloatingPointError("bad")
+
+
+FORMS = {"fresh": dict(in_place=False, on_nonfinite=_raise), "checked in place": dict(in_place=True, on_nonfinite=_raise),
+         "in place": dict(in_place=True), "fresh unchecked": dict(in_place=False)}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("decay", [1.0, 0.5, 0.95])
+def test_every_buffer_form_adds_the_decayed_residual_in_one_rounding(form, decay):
+    g = torch.Generator().manual_seed(3)
+    m = ErrorFeedback(decay=decay, **FORMS[form])
+    m.keep(torch.randn(N, generator=g))
+    for _ in range(3):
+        old, x = m.residual.clone(), torch.randn(N, generator=g)
+        want = old + x if decay == 1.0 else torch.add(x, old, alpha=decay)
+        acc = m.add(x)
+        assert torch.equal(acc, want), form
+        if decay == 0.5:  # dyadic: the decayed sum is exact
+            m2 = ErrorFeedback(decay=0.5, **FORMS[form])
+            m2.keep(_dyadic(g, N))
+            o2, x2 = m2.residual.clone(), _dyadic(g, N)
+            assert torch.equal(m2.add(x2), 0.5 * o2 + x2)
+        idx = torch.arange(0, N, 7)
+        vals, sent = m.take(acc, idx)
+        back = m.residual.clone()
+        back[idx] += sent
+        assert torch.equal(back, want)  # sent + new residual == decay x old residual + input
+    padded = ErrorFeedback(decay=decay, **FORMS[form])  # SparDL's zero-padded form
+    padded.keep(old)
+    a = padded.add(x, padded=N + 24)
+    assert torch.equal(a[:N], old + x if decay == 1.0 else torch.add(x, old, alpha=decay)) and not a[N:].any()
+
+
+def test_decay_one_keeps_the_native_kernel_bits_and_decay_keeps_the_check():
+    g = torch.Generator().manual_seed(4)
+    r, x = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    assert torch.equal(sum_checked(torch.empty(N), x, r, _raise), x + r)
+    assert torch.equal(sum_checked(torch.empty(N), x, r, _raise, 0.9), torch.add(x, r, alpha=0.9))
+    m = ErrorFeedback(decay=0.9, in_place=True, on_nonfinite=_raise)
+    m.keep(r.clone())
+    bad = x.clone()
+    bad[5] = float("nan")
+    with pytest.raises(FloatingPointError):
+        m.add(bad)
+    assert torch.equal(m.residual, r)  # unchanged: nothing absorbed
+
+
+def test_a_decayed_memory_offers_no_fold_target():
+    m = ErrorFeedback(decay=0.9, in_place=True)
+    m.keep(torch.zeros(N))
+    assert m.fold_target(N, torch.float32, torch.device("cpu")) is None
+    m.decay = 1.0
+    assert m.fold_target(N, torch.float32, torch.device("cpu")) is m.residual
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 16, 32])
+def test_message_codec_round_trip_and_size(bits):
+    g = torch.Generator().manual_seed(bits)
+    where = torch.randint(0, N, (77,), generator=g)
+    vals = torch.randn(77, generator=g)
+    msg, dec = encode_message(where, bits_for(N), vals, bits)
+    assert msg.dtype == torch.uint8 and msg.numel() == payload_bytes(77, bits_for(N), bits)
+    w, v = decode_message(msg, 77, bits_for(N), bits)
+    assert torch.equal(w, where) and torch.equal(v, dec)
+    if bits == 32:
+        assert torch.equal(dec, vals)
+
+
+def _pair(comm, a_opts, b_name, b_opts, steps=3, dtype=torch.float32):
+    g = torch.Generator().manual_seed(comm.rank)
+    a = ss.make_reducer("topka", comm, density=0.03, **a_opts)
+    b = ss.make_reducer(b_name, comm, density=0.03, **b_opts)
+    rows = []
+    for _ in range(steps):
+        x = torch.randn(N, generator=g).to(dtype)
+        rows.append((a.reduce(x.clone()).clone(), b.reduce(x.clone()).clone(), a.residual.clone(), b.residual.clone()))
+    return rows, a.conserving, dict(a.stats)
+
+
+@pytest.mark.parametrize("a_opts,b_opts", [({"value_bits": 32, "ef_decay": 1.0}, {}),
+                                           ({"value_bits": 16}, {"value_dtype": "fp16"}),
+                                           ({"value_bits": 16, "value_dtype": "bf16"}, {"value_dtype": "fp16"}),
+                                           ({"value_bits": 32, "value_dtype": "fp16"}, {})])
+def test_topka_at_16_and_32_bits_is_todays_topka_bit_for_bit(a_opts, b_opts):
+    for rows, conserving, _ in ss.run_local(_pair, 3, a_opts, "topka", b_opts, backend="thread"):
+        assert conserving
+        for a, b, ra, rb in rows:
+            assert torch.equal(a, b) and torch.equal(ra, rb)
+
+
+@pytest.mark.parametrize("bits,decay", [(2, 0.95), (4, 1.0), (8, 0.9), (32, 0.9)])
+def test_topka_with_value_bits_and_decay_is_sparseloco_at_one_chunk(bits, decay):
+    opts = {"value_bits": bits, "ef_decay": decay}
+    for rows, conserving, _ in ss.run_local(_pair, 3, opts, "sparseloco", {**opts, "chunk": N}, backend="thread"):
+        assert not conserving
+        for a, b, ra, rb in rows:
+            assert torch.equal(a, b) and torch.equal(ra, rb)
+
+
+def _steps(comm, opts, steps=3):
+    r = ss.make_reducer("topka", comm, density=0.03, **opts)
+    g = torch.Generator().manual_seed(20 + comm.rank)
+    rows = []
+    for _ in range(steps):
+        x = torch.randn(N, generator=g)
+        before = None if r.residual is None else r.residual.clone()
+        out = r.reduce(x.clone()).clone()
+        rows.append((x, before, out, r.residual.clone(), dict(r.stats)))
+    return rows
+
+
+@pytest.mark.parametrize("bits,decay", [(2, 0.95), (4, 1.0), (8, 0.5)])
+def test_topka_packed_conserves_is_the_same_on_every_rank_and_counts_its_bytes(bits, decay):
+    P = 4
+    res = ss.run_local(_steps, P, {"value_bits": bits, "ef_decay": decay}, backend="thread")
+    k = round(0.03 * N)
+    want = TopkAReducer.predicted_cost(P, N, k, value_bits=bits)
+    assert want == {"rounds": P - 1, "bytes_received": (P - 1) * (-(-k * 10 // 8) + -(-k * bits // 8) + (4 << bits))}
+    for s in range(3):
+        out = res[0][s][2]
+        assert all(torch.equal(res[w][s][2], out) for w in range(P))
+        fed = sum(res[w][s][0] + (0 if res[w][s][1] is None else decay * res[w][s][1]) for w in range(P))
+        kept = sum(res[w][s][3] for w in range(P))
+        assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        st = res[0][s][4]
+        assert st["selected"] == k and st["rounds"] == want["rounds"]
+        assert st["bytes_received"] == want["bytes_received"] and st["bytes_sent"] == want["bytes_received"]
+
+
+@pytest.mark.parametrize("opts,msg", [({"value_bits": 3}, "topka: value_bits"), ({"value_bits": True}, "value_bits"),
+                                      ({"ef_decay": 0}, "topka: ef_decay"), ({"ef_decay": 1.01}, "ef_decay")])
+def test_topka_bad_options_are_one_line_errors(opts, msg):
+    with pytest.raises(ValueError, match=msg) as e:
+        ss.run_local(lambda comm: ss.make_reducer("topka", comm, density=0.05, **opts), 1, backend="thread")
+    assert len(str(e.value).splitlines()) == 1
+
+
+def _diloco(comm, opts):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dl = ss.DiLoCo(model, comm, opt, sync_every=2, reducer="topka", density=0.1, **opts)
+    g = torch.Generator().manual_seed(comm.rank)
+    for _ in range(4):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        dl.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_diloco_topka_with_value_bits_over_its_fp16_default():
+    """DiLoCo gives topka ``value_dtype="fp16"`` unless told otherwise; ``value_bits`` decides over it."""
+    res = ss.run_local(_diloco, 2, {"value_bits": 2, "ef_decay": 0.95}, backend="thread")
+    assert torch.equal(res[0], res[1]) and bool(torch.isfinite(res[0]).all())
+
+
+def _gloo(comm):
+    return [row[2] for row in _steps(comm, {"value_bits": 4, "ef_decay": 0.9}, 2)]
+
+
+@pytest.mark.gloo
+def test_topka_packed_ranks_bitwise_equal_on_gloo():
+    res = ss.run_local(_gloo, 3, backend="gloo", timeout=60)
+    for s in range(2):
+        assert all(torch.equal(r[s], res[0][s]) for r in res)
