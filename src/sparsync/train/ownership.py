@@ -96,6 +96,10 @@ class RunLock:
         self.fresh = False  # prepare_dir: the directory was created, or emptied by --force, under this lock
 
     def acquire(self) -> RunLock:
+        """Take the lock and write this process's pid into the lock file. :class:`RunBusy` when another
+        process holds it. When the lock file cannot be created or written (a full disk) the
+        ``OSError`` names it and nothing stays held: the start is abandoned (:meth:`abandon` - a
+        :attr:`fresh` directory holding nothing else goes, lock file included)."""
         fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -104,9 +108,14 @@ class RunLock:
             os.close(fd)
             raise RunBusy(f"{self.what} {self.path} is in use by another sparsync process (pid {holder}); "
                           "wait for it to end, or pick another --name") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self.fd = fd
+        try:
+            with named_errors(self.path / LOCK):  # a write on a full disk names no file by itself
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            self.abandon()
+            raise
         return self
 
     def release(self) -> None:
@@ -160,7 +169,15 @@ def prepare_dir(path, kind: str, force: bool, job: str | None = None, what: str 
     refuse_unless_ours()  # before anything is created in a directory that is not ours
     created = not path.exists()
     path.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(path, what).acquire()
+    lock = RunLock(path, what)
+    lock.fresh = created  # a lock that cannot be taken (a full disk) leaves no directory made here
+    try:
+        lock.acquire()
+    except OSError:  # not RunBusy: the lock file could not be created or written
+        if created:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # only if empty: acquire removed what it wrote
+        raise
     try:
         lock.fresh = created or [x.name for x in path.iterdir()] == [LOCK]  # ours alone: made by sparsync
         if refuse_unless_ours():  # again under the lock: another process may have written meanwhile
