@@ -185,3 +185,16 @@ def test_topka_packed_ranks_bitwise_equal_on_gloo():
     res = ss.run_local(_gloo, 3, backend="gloo", timeout=60)
     for s in range(2):
         assert all(torch.equal(r[s], res[0][s]) for r in res)
+
+
+def test_a_compare_config_passes_value_bits_to_sparseloco_and_topka():
+    from sparsync.commands.compare import parse_configs
+    from sparsync.reducers.registry import load_all
+
+    for name in ("sparseloco", "topka"):
+        (c,) = parse_configs(f"{name}:0.0156,sync_every=4,value_bits=2,ef_decay=0.9", 0.01, "single")
+        assert c["reducer"] == name and c["density"] == 0.0156 and c["local"] == {"sync_every": 4}
+        assert c["options"] == {"value_bits": 2, "ef_decay": 0.9}
+        load_all()[name].check_options(c["options"])
+        r = ss.run_local(lambda comm: ss.make_reducer(name, comm, c["density"], **c["options"]), 1)[0]
+        assert (r.value_bits, r.ef_decay, r.memory.decay) == (2, 0.9, 0.9)

@@ -6,7 +6,9 @@ SparseLoCo (Sarfi et al., arXiv 2508.15706, 2025) sends its selected values in 2
 * ``sigma`` is the RMS of the selected values, ``L = 6 sigma``; the ``2^bits`` bins cut ``[-L, L]``
   evenly (values beyond it fall in the outer bins), and a value's code is its bin;
 * the table holds, per bin, the **mean of the values in that bin** (0 for an empty bin): the decode
-  with the least squared error for these bins, so a value and its decode lie in the same bin;
+  with the least squared error for these bins, so a value and its decode lie in the same bin (and
+  have the same sign: an even count of bins over a symmetric range has an edge at zero; a value that
+  rounds onto zero falls in the bin above it);
 * the decoded values are what travels in effect; the caller keeps ``value - decode`` in its residual
   (error feedback), so nothing is lost, only delayed.
 
