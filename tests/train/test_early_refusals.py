@@ -46,6 +46,28 @@ def test_an_unbounded_rate_schedule_is_refused_before_any_namespace(tmp_path, ca
     assert "--rate-schedule '2:1e30gbit'" in _err(capsys) and _nothing_in(runs)
 
 
+@pytest.mark.parametrize("argv", [["bench", "allreduce", "--bandwidth", "loopback,1e30gbit"],
+                                  ["bench", "reducers", "--bandwidth", "1gbit,2000gbit"],
+                                  ["cluster", "smoke", "--bandwidth", "1e30gbit"],
+                                  ["plan", "--measure", "2000gbit"],
+                                  ["train-linear", "--bandwidth", "1bit"]])
+def test_every_emulated_network_is_bounded_while_the_options_are_read(argv, capsys, monkeypatch):
+    """A list of networks is refused whole, before its first network runs."""
+    import sparsync.bench.allreduce
+    import sparsync.bench.reducers
+    import sparsync.cluster
+
+    def runs(*a, **k):
+        raise AssertionError("a network ran before the bad rate was refused")
+
+    for mod, fn in ((sparsync.bench.allreduce, "run_allreduce_bench"), (sparsync.bench.reducers, "run_reducer_bench"),
+                    (sparsync.cluster, "open_network"), (sparsync.cluster, "run_emulated")):
+        monkeypatch.setattr(mod, fn, runs)
+    assert main(argv) == 2
+    err = _err(capsys)
+    assert err.startswith(f"sparsync {' '.join(argv[:-2])}: error: argument {argv[-2]}: bandwidth must be at "), err
+
+
 # ------------------------------------------------------------------------------ site layouts
 def test_a_site_layout_from_the_environment_is_checked_against_the_world(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("SPARSYNC_SITES", "0,1;2")

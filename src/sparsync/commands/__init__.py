@@ -13,7 +13,7 @@ import argparse
 import math
 import re
 
-from ..units import format_rate, parse_count, parse_duration, parse_rate
+from ..units import format_rate, link_bandwidth, parse_count, parse_duration, parse_rate
 
 
 class UsageError(ValueError):
@@ -33,14 +33,19 @@ def _arg_type(fn, name):
 
 def _network(s: str) -> str:
     """``loopback`` / ``none`` stay; a rate becomes its canonical tc spelling (``1Gb/s`` -> ``1gbit``);
-    a topology spec (``2x2@10gbit/200mbit``, :class:`sparsync.sites.Topology`) its canonical spelling."""
+    a topology spec (``2x2@10gbit/200mbit``, :class:`sparsync.sites.Topology`) its canonical spelling.
+    A rate is bounded as an emulated link's (:func:`sparsync.units.link_bandwidth`, the one bound of
+    ``--bandwidth``, ``--rate-schedule`` and a topology's levels), so a rate no link can hold is refused
+    while the options are read: before any network of a list runs."""
     from ..sites import Topology, is_topology_spec
 
     if s.strip().lower() in ("loopback", "none"):
         return s.strip().lower()
     if is_topology_spec(s):
         return Topology.from_spec(s).spec()
-    return format_rate(parse_rate(s))
+    bits = parse_rate(s)  # an unreadable rate: the accepted forms
+    link_bandwidth(s)
+    return format_rate(bits)
 
 
 def _positive_int(s) -> int:
