@@ -222,7 +222,7 @@ def test_make_reducer_unknown_option_names_valid_ones():
     with pytest.raises(TypeError, match=r"unknown options: bogus; valid: .*teams"):
         ss.make_reducer("spardl", None, 0.01, bogus=1)
     with pytest.raises(TypeError, match=r"unknown options: teams; valid: nonfinite, value_dtype$"):  # the base's
-        ss.make_reducer("topka", None, 0.01, teams=2)
+        ss.make_reducer("topkdsa", None, 0.01, teams=2)
 
 
 def test_missing_extra_is_one_clear_message():
