@@ -86,6 +86,32 @@ def test_a_site_layout_from_the_environment_is_checked_against_the_world(tmp_pat
     assert "SPARSYNC_SITES='0,1;2,3': sites 0,1;2,3 must hold every rank 0..1 exactly once" in _err(capsys)
 
 
+@pytest.mark.parametrize("argv", [["bench", "reducers", "--reducers", "hier", "--workers", "4,2"],
+                                  ["bench", "allreduce", "--workers", "4"],
+                                  ["plan", "--reducers", "hier", "--workers", "4", "--measure", "loopback"]])
+def test_a_site_layout_from_the_environment_is_checked_before_any_bench_runs(argv, capsys, monkeypatch):
+    """Benchmarks start ranks that read it too (hier, auto): refused before the first run, naming it."""
+    import sparsync.bench.allreduce
+    import sparsync.bench.reducers
+    import sparsync.commands.plan
+
+    def runs(*a, **k):
+        raise AssertionError("ranks started before the site layout was checked")
+
+    for mod, fn in ((sparsync.bench.allreduce, "run_allreduce_bench"), (sparsync.bench.reducers, "run_reducer_bench"),
+                    (sparsync.commands.plan, "load_model")):
+        monkeypatch.setattr(mod, fn, runs)
+    monkeypatch.setenv("SPARSYNC_SITES", "0,1;2")
+    assert main(argv) == 2
+    assert _err(capsys) == (f"sparsync {argv[0]}: error: SPARSYNC_SITES='0,1;2': sites 0,1;2 must hold every rank "
+                            "0..3 exactly once (world size 4)")
+    from sparsync.commands._preflight import check_site_env
+
+    monkeypatch.setenv("SPARSYNC_SITES", "0,1;2,3")
+    check_site_env([4], ["loopback", "1gbit"])
+    check_site_env([2], ["2x1@1gbit/100mbit"])  # a topology gives its ranks its own layout
+
+
 def test_a_comma_site_layout_passes_through_option_sites_quoted(tmp_path, capsys):
     assert parse_kv(['sites="0,2;1,3",outer=micro'], "--option") == {"sites": "0,2;1,3", "outer": "micro"}
     assert parse_kv(["x='1'"], "--option") == {"x": "1"}  # quoted: the string as written

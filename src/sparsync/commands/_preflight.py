@@ -9,7 +9,8 @@ Every import is inside a function: building the parsers (``sparsync --help``) im
 
 from __future__ import annotations
 
-__all__ = ["check_resources", "check_sites", "check_workload_options", "preflight", "rank_memory_estimate"]
+__all__ = ["check_resources", "check_site_env", "check_sites", "check_workload_options", "preflight",
+           "rank_memory_estimate"]
 
 
 def _build_reducer_once(cfg) -> None:
@@ -140,6 +141,27 @@ def check_sites(cfg) -> list[list[int]] | None:
         return parse_layout(env[SITES_ENV], P) if env.get(SITES_ENV) else None
     except ValueError as e:
         raise UsageError(f"{where}: {e} (world size {P})") from None
+
+
+def check_site_env(world_sizes, networks=("loopback",)) -> None:
+    """``SPARSYNC_SITES`` (when set) checked against every world size a command starts ranks at, as
+    :func:`check_sites` checks it for a training run: a layout that does not fit fails here, in one line
+    (:class:`~sparsync.commands.UsageError`), before the first of several runs - not inside a rank of
+    a later one. Not read where every network is a topology (the placement gives each rank the
+    topology's own layout)."""
+    import os
+
+    from ..sites import SITES_ENV, is_topology_spec, parse_layout
+    from . import UsageError
+
+    spec = os.environ.get(SITES_ENV)
+    if not spec or all(is_topology_spec(n) for n in networks):
+        return
+    for P in world_sizes:
+        try:
+            parse_layout(spec, P)
+        except ValueError as e:
+            raise UsageError(f"{SITES_ENV}={spec!r}: {e} (world size {P})") from None
 
 
 def _check_ddp_option_values(cfg) -> None:

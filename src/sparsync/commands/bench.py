@@ -40,10 +40,15 @@ def _common(p) -> None:
 
 
 def _topology_networks(args) -> None:
-    """``--topology SxR --intra A --inter B`` -> ``args.bandwidth = ["SxR@A/B"]`` (one line on a bad value)."""
+    """``--topology SxR --intra A --inter B`` -> ``args.bandwidth = ["SxR@A/B"]`` (one line on a bad value);
+    then ``SPARSYNC_SITES`` is checked against every ``--workers`` (:func:`._preflight.check_site_env`),
+    before the first network runs."""
+    from ._preflight import check_site_env
+
     if args.topology is None:
         if args.intra is not None or args.inter is not None:
             raise UsageError("--intra / --inter set the rates of a --topology; without one use --bandwidth RATE")
+        check_site_env(args.workers, args.bandwidth)
         return
     from ..sites import Topology
 

@@ -249,6 +249,10 @@ def _check_args(args) -> list[str]:
         raise UsageError("give both --a and --b, or neither")
     if args.a is not None and args.measure:
         raise UsageError("--a/--b and --measure both give the cost model; pick one")
+    if args.measure:
+        from ._preflight import check_site_env
+
+        check_site_env([args.workers], [args.measure])
     return reducers
 
 
