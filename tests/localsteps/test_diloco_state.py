@@ -1,6 +1,6 @@
 """ss.DiLoCo.load_state_dict checks the whole state before it changes anything: a crafted state (cycle
-position out of range, shapes, dtypes, another rank's or another world size's state, an outer optimizer
-state of another structure, a reducer state its reducer refuses) is refused in one line and leaves
+position out of range, shapes, dtypes, another rank's or another world size's state or none recorded, an
+outer optimizer state of another structure, a reducer state its reducer refuses) is refused in one line and leaves
 ``dl.state_dict()`` and the module's parameters bitwise as they were; a state of the previous format
 (no world size or rank, the outer momentum over flat buffers) still resumes bitwise."""
 
@@ -78,6 +78,11 @@ def _crafted(sd, other_rank_sd):
             d[k] = v(d) if callable(v) else v
         return d
 
+    def without(key):  # the current format always records the world size and rank
+        d = _valid_changes(sd)
+        del d[key]
+        return d
+
     def outer(edit):
         def f(d):
             o = copy.deepcopy(d["outer_optimizer"])
@@ -96,6 +101,9 @@ def _crafted(sd, other_rank_sd):
     return [
         ("format", with_(format="sparsync-diloco/9"), "not a DiLoCo state dict"),
         ("world size", with_(world_size=w + 2), f"world size {w + 2} cannot be loaded at world size {w}"),
+        ("no world size", without("world_size"), "world_size must be an integer >= 1, got None"),
+        ("no rank", without("rank"), "rank must be an integer >= 0, got None"),
+        ("world size as text", with_(world_size=str(w)), f"world_size must be an integer >= 1, got '{w}'"),
         ("another rank", other_rank_sd,
          f"saved by rank {other_rank_sd['rank']} cannot be loaded on rank {sd['rank']}"),
         ("sync_every", with_(sync_every=2 * H), f"sync_every={2 * H}"),

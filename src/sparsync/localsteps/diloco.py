@@ -312,10 +312,11 @@ class DiLoCo:
         and rank, ``sync_every`` and reducer, the shared parameters' shapes and dtypes, the cycle
         position, the outer optimizer state's structure, every reducer's state - and any mismatch is a
         one-line ``ValueError`` with nothing changed. A state of another world size or another rank is
-        refused (the residuals are per rank, the outer step per world). A state without world size and
-        rank (format ``sparsync-diloco/1``, before the outer optimizer stepped the module's parameters)
-        loads as before, its flat outer momentum split exactly into the default SGD's per-parameter
-        buffers; with a caller's ``outer_optimizer`` it is refused."""
+        refused (the residuals are per rank, the outer step per world), and so is a state of the current
+        format that records neither. A state of the first format (``sparsync-diloco/1``, before the outer
+        optimizer stepped the module's parameters: no world size or rank) loads as before, its flat
+        outer momentum split exactly into the default SGD's per-parameter buffers; with a caller's
+        ``outer_optimizer`` it is refused."""
         opt_state = self._check_state(d)
         reducers_before = [g.reducer.state_dict() for g in self.groups]
         try:
@@ -344,6 +345,11 @@ class DiLoCo:
         if fmt not in (STATE_FORMAT, STATE_FORMAT_V1):
             raise ValueError(f"not a DiLoCo state dict (format {fmt!r}, expected {STATE_FORMAT!r})")
         P, rank = self.comm.world_size, self.comm.rank
+        if fmt == STATE_FORMAT:  # (only the first format has neither)
+            for key, low in (("world_size", 1), ("rank", 0)):
+                v = d.get(key)
+                if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                    raise ValueError(f"DiLoCo state: {key} must be an integer >= {low}, got {v!r}")
         if "world_size" in d and d["world_size"] != P:
             raise ValueError(f"DiLoCo state saved at world size {d['world_size']!r} cannot be loaded at world size "
                              f"{P}: the pseudo-gradient residuals and the outer step are per world (resume at the same "
