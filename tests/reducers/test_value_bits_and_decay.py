@@ -21,8 +21,8 @@ def _raise(values, residual):
     raise FloatingPointError("bad")
 
 
-FORMS = {"fresh": dict(in_place=False, on_nonfinite=_raise), "checked in place": dict(in_place=True, on_nonfinite=_raise),
-         "in place": dict(in_place=True), "fresh unchecked": dict(in_place=False)}
+FORMS = {"fresh": dict(in_place=False, on_nonfinite=_raise), "fresh unchecked": dict(in_place=False),
+         "checked in place": dict(in_place=True, on_nonfinite=_raise), "in place": dict(in_place=True)}
 
 
 @pytest.mark.parametrize("form", sorted(FORMS))
@@ -187,6 +187,10 @@ def test_topka_packed_ranks_bitwise_equal_on_gloo():
         assert all(torch.equal(r[s], res[0][s]) for r in res)
 
 
+def _make(comm, name, density, options):
+    return ss.make_reducer(name, comm, density, **options)
+
+
 def test_a_compare_config_passes_value_bits_to_sparseloco_and_topka():
     from sparsync.commands.compare import parse_configs
     from sparsync.reducers.registry import load_all
@@ -196,5 +200,5 @@ def test_a_compare_config_passes_value_bits_to_sparseloco_and_topka():
         assert c["reducer"] == name and c["density"] == 0.0156 and c["local"] == {"sync_every": 4}
         assert c["options"] == {"value_bits": 2, "ef_decay": 0.9}
         load_all()[name].check_options(c["options"])
-        r = ss.run_local(lambda comm: ss.make_reducer(name, comm, c["density"], **c["options"]), 1)[0]
+        r = ss.run_local(_make, 1, name, c["density"], c["options"])[0]
         assert (r.value_bits, r.ef_decay, r.memory.decay) == (2, 0.9, 0.9)
