@@ -117,6 +117,14 @@ def test_a_comma_site_layout_passes_through_option_sites_quoted(tmp_path, capsys
     assert parse_kv(["x='1'"], "--option") == {"x": "1"}  # quoted: the string as written
     with pytest.raises(UsageError, match="the quote \" is never closed"):
         parse_kv(['sites="0,2;1,3'], "--option")
+    # unquoted, the layout splits the list: the one-line error says how to write it
+    hint = "a value holding ',' or ';' is quoted, e.g. sites=\"0,2;1,3\""
+    with pytest.raises(UsageError) as e:
+        parse_kv(["sites=0,1;2,3"], "--option")
+    assert str(e.value) == f"--option must look like key=value, got '1;2' ({hint})"
+    with pytest.raises(UsageError) as e:
+        parse_configs("hier:0.02,sites=0,2;1,3", 0.01, "single")
+    assert str(e.value) == f"config 'hier:0.02,sites=0,2': '2' should be key=value ({hint})"
     rows = parse_configs('hier:0.02,sites="0,2;1,3";dense', 0.01, "single")
     assert [(r["reducer"], r["options"]) for r in rows] == [("hier", {"sites": "0,2;1,3"}), ("dense", {})]
     runs = tmp_path / "runs"

@@ -105,6 +105,10 @@ def deprecated_alias(parser, old: str, new: str, dest: str, type=None) -> None: 
                         help=argparse.SUPPRESS)
 
 
+#: what a key=value error adds: a site layout's commas and semicolons split the list unless quoted
+QUOTE_HINT = "a value holding ',' or ';' is quoted, e.g. sites=\"0,2;1,3\""
+
+
 def split_unquoted(text: str, sep: str, what: str = "value") -> list[str]:
     """``text`` split at every ``sep`` outside a quoted part (``'...'`` or ``"..."``; the quotes are
     kept, :func:`parse_value` removes them): ``'a=1,sites="0,1;2,3"'`` -> ``['a=1', 'sites="0,1;2,3"']``.
@@ -135,7 +139,7 @@ def parse_kv(items: list[str] | None, what: str) -> dict:
             if not part:
                 continue
             if "=" not in part:
-                raise UsageError(f"{what} must look like key=value, got {part!r}")
+                raise UsageError(f"{what} must look like key=value, got {part!r} ({QUOTE_HINT})")
             k, v = part.split("=", 1)
             out[k.strip()] = parse_value(v.strip())
     return out

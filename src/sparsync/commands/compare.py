@@ -36,7 +36,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import DENSITY, UsageError, doc_text, split_unquoted
+from . import DENSITY, QUOTE_HINT, UsageError, doc_text, split_unquoted
 from .train import _parse_value, add_common, config_from_args, convergence_of, preflight, tensorboard_tail
 
 BASELINES = ("dense", "ddp", "ddp-fp16")
@@ -70,7 +70,7 @@ def parse_configs(spec: str, density: float, merge: str) -> list[dict]:
                 raise UsageError(f"config {item!r}: density {dens!r} is not a number") from None
         for kv in kvs:
             if "=" not in kv:
-                raise UsageError(f"config {item!r}: {kv!r} should be key=value")
+                raise UsageError(f"config {item!r}: {kv!r} should be key=value ({QUOTE_HINT})")
             k, v = kv.split("=", 1)
             if k.strip() == "merge":
                 d["merge"] = v.strip()
