@@ -173,6 +173,29 @@ def test_a_state_of_another_world_size_names_both_sizes():
         dl.load_state_dict(states[0])
 
 
+def test_an_outer_state_of_other_shapes_is_refused_by_a_fresh_outer_optimizer():
+    """Resuming into fresh objects (the outer optimizer holds no state yet, so no shapes to compare
+    with): Adam moments that do not broadcast to their parameter are refused in one line with nothing
+    changed, while the state as saved loads."""
+    from sparsync.threadcomm import ThreadWorld
+
+    comm = ThreadWorld(1).comms()[0]
+    model, dl = _build(comm)
+    for step in range(H + 1):
+        _step(model, dl, step, 0)
+    saved = dl.state_dict()
+    model, fresh = _build(comm)
+    assert not fresh.outer_optimizer.state
+    before, params = copy.deepcopy(fresh.state_dict()), _flat(model)
+    bad = copy.deepcopy(saved)
+    bad["outer_optimizer"]["state"][0]["exp_avg"] = torch.zeros(3, 3)  # parameter 0 is (8, 5)
+    with pytest.raises(ValueError, match=r"exp_avg of parameter 0 has shape \(3, 3\), which does not broadcast"):
+        fresh.load_state_dict(bad)
+    assert _same(before, fresh.state_dict()) and torch.equal(params, _flat(model))
+    fresh.load_state_dict(saved)
+    assert _same(saved, fresh.state_dict())
+
+
 def test_automatic_period_state_is_checked():
     from sparsync.threadcomm import ThreadWorld
 

@@ -59,7 +59,9 @@ def check_optimizer_state(opt, sd) -> None:
     """A one-line ``ValueError`` unless ``sd`` has the structure of ``opt.state_dict()``: as many
     param groups, as many parameters in each, the same hyper-parameter keys; per-parameter state
     for those parameters only, with the keys and tensor shapes ``opt`` holds where it already has
-    state, and a parameter's shape for any tensor with as many dimensions as the parameter."""
+    state. Where it has none yet (a fresh optimizer, as on resume) a tensor with as many dimensions as
+    the parameter must broadcast to its shape (each dimension the parameter's or 1: Adam's moments have
+    the parameter's shape, Adafactor's factored ones (m, 1) and (1, n)); other tensors are not checked."""
     what = "DiLoCo state: the outer optimizer's state"
     if not (isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list)):
         raise ValueError(f"{what} must be an optimizer state_dict (state, param_groups)")
@@ -93,10 +95,13 @@ def check_optimizer_state(opt, sd) -> None:
             if not isinstance(v, torch.Tensor):
                 continue
             ref = now.get(name) if now is not None else None
-            want = tuple(ref.shape) if isinstance(ref, torch.Tensor) else (
-                tuple(p.shape) if v.dim() == p.dim() and v.dim() > 0 else None)
-            if want is not None and tuple(v.shape) != want:
-                raise ValueError(f"{what}: {name} of parameter {k} has shape {tuple(v.shape)}, expected {want}")
+            if isinstance(ref, torch.Tensor):
+                if v.shape != ref.shape:
+                    raise ValueError(f"{what}: {name} of parameter {k} has shape {tuple(v.shape)}, expected "
+                                     f"{tuple(ref.shape)}")
+            elif v.dim() == p.dim() > 0 and any(a not in (b, 1) for a, b in zip(v.shape, p.shape)):
+                raise ValueError(f"{what}: {name} of parameter {k} has shape {tuple(v.shape)}, which does not "
+                                 f"broadcast to the parameter's {tuple(p.shape)}")
 
 
 def outer_state_from_v1(dl, sd) -> dict:
