@@ -89,6 +89,24 @@ def test_train_writes_its_summary_under_the_run_lock(tmp_path, monkeypatch):
     assert seen == ["held"] and RunDir(tmp_path / "t").summary() is not None
 
 
+def test_compare_writes_each_runs_summary_once_with_its_row_under_the_run_lock(tmp_path, monkeypatch):
+    """No moment where summary.json lacks the row's fields, or where the run's lock is free before it is written."""
+    seen, real = [], RunDir.write_summary
+
+    def probe(self, summary):
+        try:
+            RunLock(self.path).acquire().release()
+            held = "free"
+        except RunBusy:
+            held = "held"
+        seen.append((self.path.name, summary.get("config"), held))
+        return real(self, summary)
+
+    monkeypatch.setattr(RunDir, "write_summary", probe)
+    assert main(_compare(tmp_path)) == 0
+    assert seen == [("micro-0.05-single", "micro-0.05-single", "held")]
+
+
 # ------------------------------------------------------------------------------ a full disk
 @pytest.mark.parametrize("name", [".sparsync-run", "config.json", "metrics.jsonl"])
 def test_a_full_disk_at_the_start_names_the_file_and_leaves_no_directory(tmp_path, capsys, monkeypatch, name):

@@ -241,7 +241,7 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
     from ..train.records import write_comparison
     from ..train.report import format_table, table_rows, write_report
     from ..train.ownership import named_errors, staged_files
-    from ..train.runs import RunDir, RunLock, prepare_dir
+    from ..train.runs import RunLock, prepare_dir
 
     root, cfgs = plan(args)
     resume = bool(getattr(args, "resume", False))
@@ -270,9 +270,8 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
                   f"{_clock(spent)} elapsed{eta}", flush=True)
             start = time.monotonic()
             try:
-                summary = launch(cfg, force=True)
-                with contextlib.closing(RunLock(path).acquire()):  # the run's own writer rule, as launch's
-                    RunDir(path).write_summary({**summary, "config": job["config"], "config_index": job["index"],
+                # the row's fields go into summary.json with the run's own, under the run's lock
+                launch(cfg, force=True, record={"config": job["config"], "config_index": job["index"],
                                                 "round": job["round"], "repeat": job["repeat"]})
                 done.append(path)
             except Exception as e:  # noqa: BLE001 - one failing config must not lose the others

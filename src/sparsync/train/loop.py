@@ -65,8 +65,11 @@ _BREAKDOWN_KEYS = ("writeback_s", "copy_s", "check_s", "policy_s", "reducer_othe
 _INIT_LOCK = threading.Lock()
 
 
-def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload=None) -> dict:
-    """Validate, prepare ``runs/<name>``, run every rank; returns the summary (also in summary.json)."""
+def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload=None,
+           record: dict | None = None) -> dict:
+    """Validate, prepare ``runs/<name>``, run every rank; returns the summary, also written to
+    summary.json - with ``record``'s fields added (a comparison's row), once, before the run's lock is
+    released: no reader sees a summary without them, no other writer comes in between."""
     if workload is None:
         validate(cfg)
     check_network(cfg.network)
@@ -95,6 +98,7 @@ def launch(cfg: TrainConfig, force: bool = False, resume: bool = False, workload
         keys = ("median_step_s", "median_compute_s", "median_select_s", "median_comm_s", "median_wait_s",
                 "mean_select_s")
         summary["per_rank"] = [{k: r.get(k) for k in keys} for r in results]  # rank 0's view is not everyone's
+        summary.update(record or {})
         rd.write_summary(summary)
     except BaseException:
         rd.remove_incomplete()  # every rank is gone: only complete checkpoints stay on disk
