@@ -205,3 +205,30 @@ def test_diloco_h1_dense_no_decay_fp32_is_synchronous_sgd():
     assert all(torch.allclose(x, y, atol=1e-6) for x, y in zip(a, b))
     c = ss.run_local(_diloco, 3, "sparseloco", {"density": 0.0156, "value_bits": 2}, backend="thread")
     assert all(torch.equal(c[0], x) for x in c)  # the one-line spelling runs, every rank alike
+
+
+def _one_step(comm, dtype, bits, big):
+    r = ss.make_reducer("sparseloco", comm, density=0.05, chunk=100, value_bits=bits, ef_decay=1.0)
+    x = torch.randn(N, generator=torch.Generator().manual_seed(3))
+    x[7] = big
+    x = x.to(dtype)
+    return x, r.reduce(x.clone()).clone(), r.residual.clone()
+
+
+def test_fp16_values_saturate_and_the_rest_stays_in_the_residual():
+    """value_bits=16: an entry beyond fp16's range travels as +-65504 and the residual keeps the rest
+    (finite: the next step's input check would otherwise refuse the memory)."""
+    x, out, res = ss.run_local(_one_step, 1, torch.float32, 16, 1e5, backend="thread")[0]
+    assert out[7] == 65504.0 and res[7] == 1e5 - 65504.0 and bool(torch.isfinite(res).all())
+    assert torch.equal(out + res, x)  # 16 bits on one rank: every operation exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_gradient_is_sent_what_its_residual_subtracts(dtype):
+    """With a half-precision gradient the table travels rounded to its dtype, so the receivers add the
+    decode the sender subtracted; conservation is then up to the residual's half-precision rounding."""
+    x, out, res = ss.run_local(_one_step, 1, dtype, 2, 4.0, backend="thread")[0]
+    sent = out != 0
+    assert torch.equal(out[sent].to(dtype).float(), out[sent])  # representable in the gradient's dtype
+    err = (x.float() - out - res.float()).abs()
+    assert bool((err <= res.float().abs() * 2.0 ** -7 + 1e-30).all())  # within the residual's rounding

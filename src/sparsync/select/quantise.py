@@ -32,6 +32,7 @@ __all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "de
 VALUE_BITS = (2, 4, 8, 16, 32)
 #: the bins span +-RANGE_SIGMAS x the RMS of the values
 RANGE_SIGMAS = 6.0
+_FP16_MAX = 65504.0  # the largest finite float16
 _WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
@@ -96,12 +97,19 @@ def payload_bytes(count: int, index_width: int, bits: int) -> int:
 def encode_message(where: torch.Tensor, width: int, vals: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(msg, decode)``: the uint8 message of positions ``where`` (integers below ``2^width``, packed)
     and values ``vals`` in ``bits`` (:func:`payload_bytes` bytes), and ``decode``, what every receiver
-    decodes for ``vals`` (in ``vals``' dtype: the sender keeps ``vals - decode`` in its residual)."""
+    decodes for ``vals`` (in ``vals``' dtype: the sender keeps ``vals - decode`` in its residual).
+    fp16 values saturate at +-65504 (the rest stays in the residual, finite); with a half-precision
+    ``vals`` the table is rounded to that dtype before it is sent, so ``decode`` is exactly what the
+    receivers add."""
     if bits >= 16:
         sent = vals.to(torch.float16 if bits == 16 else torch.float32)
+        if bits == 16:  # the cast's infinities back to the largest finite fp16 (NaN stays NaN)
+            sent.clamp_(-_FP16_MAX, _FP16_MAX)
         dec, tail = sent.to(vals.dtype), [sent.view(torch.uint8)]
     else:
         codes, table = quantise(vals, bits)
+        if vals.dtype in (torch.float16, torch.bfloat16):
+            table = table.to(vals.dtype).to(torch.float32)
         dec, tail = dequantise(codes, table).to(vals.dtype), [pack_bits(codes, bits), table.view(torch.uint8)]
     return torch.cat([pack_bits(where, width), *tail]), dec
 
