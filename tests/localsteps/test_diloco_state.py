@@ -196,6 +196,33 @@ def test_an_outer_state_of_other_shapes_is_refused_by_a_fresh_outer_optimizer():
     assert _same(saved, fresh.state_dict())
 
 
+def test_a_learning_rate_schedulers_group_keys_do_not_block_loading():
+    """A state saved with a scheduler on the outer optimizer (its groups carry ``initial_lr``) loads into
+    one without a scheduler yet and the other way round: only the optimizer's own hyper-parameters are
+    required; an SGD state is still refused by Adam, naming the keys it lacks."""
+    from sparsync.threadcomm import ThreadWorld
+
+    comm = ThreadWorld(1).comms()[0]
+    model, dl = _build(comm)
+    torch.optim.lr_scheduler.StepLR(dl.outer_optimizer, step_size=2)
+    for step in range(H + 1):
+        _step(model, dl, step, 0)
+    with_scheduler = dl.state_dict()
+    assert "initial_lr" in with_scheduler["outer_optimizer"]["param_groups"][0]
+    _, plain = _build(comm)
+    plain.load_state_dict(with_scheduler)
+    assert _same(with_scheduler, plain.state_dict())
+    _, scheduled = _build(comm)
+    torch.optim.lr_scheduler.StepLR(scheduled.outer_optimizer, step_size=2)
+    without = copy.deepcopy(with_scheduler)
+    del without["outer_optimizer"]["param_groups"][0]["initial_lr"]
+    scheduled.load_state_dict(without)
+    assert scheduled.outer_step == with_scheduler["outer_step"]
+    without["outer_optimizer"] = torch.optim.SGD(_model().parameters(), lr=1).state_dict()
+    with pytest.raises(ValueError, match=r"without this outer optimizer's \['amsgrad', 'betas'"):
+        plain.load_state_dict(without)
+
+
 def test_automatic_period_state_is_checked():
     from sparsync.threadcomm import ThreadWorld
 

@@ -57,7 +57,8 @@ _GROUP_KEYS_ASIDE = ("params", "param_names")
 
 def check_optimizer_state(opt, sd) -> None:
     """A one-line ``ValueError`` unless ``sd`` has the structure of ``opt.state_dict()``: as many
-    param groups, as many parameters in each, the same hyper-parameter keys; per-parameter state
+    param groups, as many parameters in each, every hyper-parameter of ``opt.defaults`` in each group
+    (more keys, such as a learning-rate scheduler's ``initial_lr``, are allowed); per-parameter state
     for those parameters only, with the keys and tensor shapes ``opt`` holds where it already has
     state. Where it has none yet (a fresh optimizer, as on resume) a tensor with as many dimensions as
     the parameter must broadcast to its shape (each dimension the parameter's or 1: Adam's moments have
@@ -75,10 +76,10 @@ def check_optimizer_state(opt, sd) -> None:
             n = len(ids) if isinstance(ids, list) else None
             raise ValueError(f"{what}: param group {i} holds {n} parameters, this outer optimizer's {len(g['params'])}")
         keys = sorted(k for k in s if k not in _GROUP_KEYS_ASIDE)
-        want = sorted(k for k in g if k not in _GROUP_KEYS_ASIDE)
-        if keys != want:
-            raise ValueError(f"{what}: param group {i} has the keys {keys}, this outer optimizer's {want} "
-                             f"(another optimizer class?)")
+        missing = sorted(k for k in g if k in opt.defaults and k not in s)  # its hyper-parameters
+        if missing:
+            raise ValueError(f"{what}: param group {i} has the keys {keys}, without this outer optimizer's "
+                             f"{missing} (another optimizer class?)")
         for k, p in zip(ids, g["params"]):
             if isinstance(k, bool) or not isinstance(k, int) or k in by_index:
                 raise ValueError(f"{what}: parameter ids must be distinct integers, got {k!r} twice or of another type")
