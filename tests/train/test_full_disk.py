@@ -66,6 +66,29 @@ def test_a_lock_that_cannot_be_written_is_not_held(tmp_path, monkeypatch):
     assert (d / "keep").read_text() == "x"
 
 
+def test_a_comparison_whose_every_run_hit_a_full_disk_leaves_no_directory(tmp_path, capsys, monkeypatch):
+    import pathlib
+
+    real = pathlib.Path.write_text
+
+    def write_text(self, *a, **k):
+        if self.name.startswith("config.json"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    runs = tmp_path / "runs"
+    argv = ["compare", *SMALL, "--configs", "micro:0.05;topka:0.05", "--no-baselines", "--runs-dir", str(runs),
+            "--name", "c"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"No space left on device: '{runs / 'c' / 'micro-0.05-single' / 'config.json'}'" in err
+    assert "every configuration failed (2" in err
+    assert list(runs.iterdir()) == []  # no comparison directory, no .lock: the same command runs again
+    monkeypatch.undo()
+    assert main(argv) == 0
+
+
 @contextlib.contextmanager
 def _full_tmpfs(path):
     path.mkdir()

@@ -281,7 +281,8 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
                     f"configuration `{cfg.label()}`{' in ' + where.rstrip(': ') if where else ''} failed: "
                     f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
             ran.append(time.monotonic() - start)
-        if not done:
+        if not done:  # a comparison directory made here that holds nothing else goes, lock file included
+            lock.abandon()  # (every start failed on a full disk: nothing to --resume, nothing to --force)
             raise AllConfigurationsFailed(f"every configuration failed ({len(cfgs)}; the messages above say why)")
         title = title or (f"{args.workload}: {len(cfgs)} configurations"
                           + (f" x {len(rounds)} rounds" if len(rounds) > 1 else "")
