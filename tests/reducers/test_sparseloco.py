@@ -8,7 +8,7 @@ import sparsync as ss
 from sparsync.reducers.memory import ErrorFeedback
 from sparsync.reducers.sparseloco import SparseLoCoReducer, selected_count
 from sparsync.select.chunked import chunked_topk, short_chunk_k
-from sparsync.select.quantise import RANGE_SIGMAS, pack_bits, quantise, unpack_bits
+from sparsync.select.quantise import RANGE_SIGMAS, _pack_matrix, _unpack_matrix, pack_bits, quantise, unpack_bits
 
 N = 1050  # ten chunks of 100 and a short one of 50
 
@@ -53,12 +53,18 @@ def test_chunked_topk_mixes_chunks_with_and_without_surplus_ties():
 
 
 def test_bit_packing_round_trip():
+    """Every width, grouped (lcm(width, 8) <= 56) or through the bit matrix: the same bytes as the bit
+    matrix's LSB-first stream, ceil(m width / 8) of them, and back; counts that end mid-group."""
     g = torch.Generator().manual_seed(0)
-    for width in (1, 2, 3, 7, 12, 13):
-        v = torch.randint(0, 1 << width, (101,), generator=g)
-        b = pack_bits(v, width)
-        assert b.dtype == torch.uint8 and b.numel() == -(-101 * width // 8)
-        assert torch.equal(unpack_bits(b, width, 101), v)
+    for width in list(range(1, 33)) + [40, 48]:
+        for m in (0, 1, 5, 101):
+            v = torch.randint(0, 1 << width, (m,), generator=g)
+            b = pack_bits(v, width)
+            assert b.dtype == torch.uint8 and b.numel() == -(-m * width // 8)
+            assert torch.equal(b, _pack_matrix(v, width)), (width, m)
+            assert torch.equal(unpack_bits(b, width, m), v) and torch.equal(_unpack_matrix(b, width, m), v)
+    two = pack_bits(torch.tensor([0xABC, 0x123]), 12)  # two 12-bit indices in 3 bytes, low bits first
+    assert two.tolist() == [0xBC, 0x3A, 0x12]
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

@@ -15,13 +15,15 @@ SparseLoCo (Sarfi et al., arXiv 2508.15706, 2025) sends its selected values in 2
 Everything is deterministic torch arithmetic on the sender's values; receivers use the sender's table.
 ``bits`` 16 / 32 send fp16 / fp32 values (no table). :func:`pack_bits` / :func:`unpack_bits` put
 non-negative integers of ``width`` bits next to each other, little-endian within the byte stream
-(two 12-bit chunk-local indices in 3 bytes, four 2-bit codes in a byte): vectorised, one ``[m, width]``
-bit matrix each way. :func:`encode_message` / :func:`decode_message` are one rank's whole message:
-the packed positions, then the values (packed codes and the table, or the fp16 / fp32 values), exactly
-:func:`payload_bytes` bytes.
+(two 12-bit chunk-local indices in 3 bytes, four 2-bit codes in a byte): vectorised, a group of values
+per int64 word where ``lcm(width, 8) <= 56``, else a ``[m, width]`` bit matrix. :func:`encode_message` /
+:func:`decode_message` are one rank's whole message: the packed positions, then the values (packed codes
+and the table, or the fp16 / fp32 values), exactly :func:`payload_bytes` bytes.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -48,19 +50,59 @@ def bits_for(count: int) -> int:
     return max(1, (int(count) - 1).bit_length())
 
 
+def _group(width: int) -> tuple[int, int] | None:
+    """``(values, bytes)`` of the smallest whole group of ``width``-bit values (``lcm(width, 8)`` bits),
+    when that fits one int64 word below its sign bit; else None (the bit-matrix form)."""
+    span = math.lcm(int(width), 8)
+    return (span // width, span // 8) if span <= 56 else None
+
+
 def pack_bits(v: torch.Tensor, width: int) -> torch.Tensor:
-    """uint8 bytes holding the ``width``-bit integers ``v`` (``ceil(len(v) * width / 8)`` bytes)."""
+    """uint8 bytes holding the ``width``-bit integers ``v`` (``ceil(len(v) * width / 8)`` bytes).
+
+    Value ``i`` is bits ``[i width, (i + 1) width)`` of the stream, byte ``j`` its bits ``[8 j, 8 j + 8)``,
+    least significant first. Widths whose ``lcm(width, 8)`` is at most 56 bits (1-8, 10, 12, 14, 16,
+    20, 24, 28, 32 ...) go a group at a time - ``lcm / width`` values shifted into one int64 word, cut
+    into ``lcm / 8`` bytes: about 3 int64 temporaries per value - the others through a ``[m, width]``
+    bit matrix."""
     v = v.reshape(-1).to(torch.int64)
+    m, grp = v.numel(), _group(width)
+    if grp is None:
+        return _pack_matrix(v, width)
+    g, nb = grp
+    if m % g:
+        v = torch.cat([v, v.new_zeros(g - m % g)])
+    word = (v.view(-1, g) << torch.arange(0, g * width, width, device=v.device)).sum(dim=1, keepdim=True)
+    out = ((word >> torch.arange(0, 8 * nb, 8, device=v.device)) & 255).to(torch.uint8).reshape(-1)
+    return out[: -(-m * width // 8)]
+
+
+def unpack_bits(b: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The ``count`` integers of ``width`` bits in ``b`` (:func:`pack_bits`'s inverse), int64."""
+    grp = _group(width)
+    if grp is None:
+        return _unpack_matrix(b, width, count)
+    g, nb = grp
+    b = b.reshape(-1)[: -(-count * width // 8)].to(torch.int64)
+    if b.numel() % nb:
+        b = torch.cat([b, b.new_zeros(nb - b.numel() % nb)])
+    word = (b.view(-1, nb) << torch.arange(0, 8 * nb, 8, device=b.device)).sum(dim=1, keepdim=True)
+    vals = (word >> torch.arange(0, g * width, width, device=b.device)) & ((1 << width) - 1)
+    return vals.reshape(-1)[:count]
+
+
+def _pack_matrix(v: torch.Tensor, width: int) -> torch.Tensor:
+    """:func:`pack_bits` through a ``[m, width]`` bit matrix (any width)."""
     shifts = torch.arange(width, dtype=torch.int64, device=v.device)
-    bits = ((v.unsqueeze(1) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    bits = ((v.reshape(-1, 1) >> shifts) & 1).to(torch.uint8).reshape(-1)
     pad = (-bits.numel()) % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
     return (bits.view(-1, 8) * _WEIGHTS.to(v.device)).sum(dim=1, dtype=torch.int64).to(torch.uint8)
 
 
-def unpack_bits(b: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """The ``count`` integers of ``width`` bits in ``b`` (:func:`pack_bits`'s inverse), int64."""
+def _unpack_matrix(b: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """:func:`unpack_bits` through the bit matrix (any width)."""
     bits = ((b.to(torch.int64).unsqueeze(1) >> torch.arange(8, device=b.device)) & 1).reshape(-1)
     bits = bits[: count * width].view(count, width)
     return (bits << torch.arange(width, device=b.device)).sum(dim=1)
