@@ -188,8 +188,11 @@ def test_bad_options_are_one_line_errors(opts, msg):
 
 
 def _diloco(comm, reducer, opts):
-    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    init = torch.Generator().manual_seed(0)  # (thread ranks share torch's global generator)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=init))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dl = ss.DiLoCo(model, comm, opt, sync_every=1, reducer=reducer, outer_optimizer=torch.optim.SGD(
         model.parameters(), lr=1.0), **opts)
