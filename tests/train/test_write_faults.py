@@ -3,6 +3,7 @@ directory's lock until their report and summary are written; a failed write (a f
 with ``OSError(ENOSPC)`` from the writer) names the file, leaves no lock, and a comparison's report,
 plots and data appear as a whole set or not at all. Thread ranks, real CLI, real files."""
 
+import contextlib
 import errno
 import pathlib
 
@@ -105,6 +106,73 @@ def test_compare_writes_each_runs_summary_once_with_its_row_under_the_run_lock(t
     monkeypatch.setattr(RunDir, "write_summary", probe)
     assert main(_compare(tmp_path)) == 0
     assert seen == [("micro-0.05-single", "micro-0.05-single", "held")]
+
+
+def test_run_default_writes_its_verdict_into_the_report_under_the_comparison_lock(tmp_path, capsys, monkeypatch):
+    """The verdict is part of the report set: written before the lock is released, or the report is not moved in."""
+    import sparsync.commands.run_default as rd
+
+    root, seen, real = tmp_path / "make-run", [], rd.verdict
+
+    def probe(runs):
+        try:
+            RunLock(root).acquire().release()
+            seen.append("free")
+        except RunBusy:
+            seen.append("held")
+        return real(runs)
+
+    monkeypatch.setattr(rd, "verdict", probe)
+    argv = ["run-default", "--loopback", "--workers", "2", "--steps", "2", "--seeds", "1", "--sparse", "micro:0.05",
+            "--no-progress", "--runs-dir", str(tmp_path)]
+    assert main(argv) == 0
+    assert seen == ["held"]
+    report = (root / "report.md").read_text()
+    assert report.count("## Verdict") == 1 and real(rd.json.loads((root / "comparison.json").read_text())["runs"]) \
+        .splitlines()[0] in report
+    # a report that cannot be written leaves the previous set, verdict included, as it was
+    before = {p.name: p.read_bytes() for p in root.iterdir() if p.is_file()}
+
+    def full(runs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(rd, "verdict", full)
+    assert main([*argv, "--resume"]) == 2  # every run kept, the report set written again: the verdict fails
+    assert {p.name: p.read_bytes() for p in root.iterdir() if p.is_file()} == before
+    assert not [p for p in root.iterdir() if ".tmp" in p.name]
+
+
+def test_run_default_gpt_holds_its_directory_until_its_report_is_written(tmp_path, capsys, monkeypatch):
+    """Its two passes are comparisons of their own; the merged report beside them is written under a lock
+    on ``make-run-gpt`` held from the first pass on (the passes are stand-ins here)."""
+    import sparsync.commands._run_default_gpt as gpt
+    import sparsync.commands.compare as compare
+
+    root, seen = tmp_path / "make-run-gpt", []
+
+    def held(what):
+        try:
+            RunLock(root).acquire().release()
+            seen.append((what, "free"))
+        except RunBusy:
+            seen.append((what, "held"))
+
+    def a_pass(args, **k):
+        (root / args.name).mkdir(parents=True, exist_ok=True)
+        held(args.name)
+
+    monkeypatch.setattr(compare, "compare", a_pass)
+    monkeypatch.setattr(gpt, "_runs", lambda d: [])
+    monkeypatch.setattr(gpt, "merged", lambda a, b: [])
+    monkeypatch.setattr(gpt, "format_merged", lambda rows, net: "the table")
+    monkeypatch.setattr(gpt, "verdict", lambda rows, timed: held("verdict") or "the verdict")
+    argv = ["run-default", "--workload", "gpt", "--loopback", "--no-progress", "--runs-dir", str(tmp_path)]
+    assert main(argv) == 0
+    assert seen == [("convergence", "held"), ("time", "held"), ("verdict", "held")]
+    assert "the table\n\nthe verdict" in (root / "report.md").read_text()
+    with contextlib.closing(RunLock(root).acquire()):  # a second one meanwhile: refused before its first pass
+        assert main(argv) == 2
+    assert "is in use by another sparsync process" in _err(capsys) and len(seen) == 3
 
 
 # ------------------------------------------------------------------------------ a full disk

@@ -49,7 +49,21 @@ def _compare_args(a, configs: str, name: str, network: str | None, steps: int | 
 
 def run_gpt(a, network_reason: str | None) -> int:
     """Both passes, the merged table and the verdict; ``network_reason``: why the emulated network cannot be
-    built (then the time pass runs over loopback and the verdict says it cannot judge r ~ 20)."""
+    built (then the time pass runs over loopback and the verdict says it cannot judge r ~ 20). One writer:
+    ``<runs-dir>/make-run-gpt`` stays locked (:class:`~sparsync.train.ownership.RunLock`) from the first
+    pass until its report.md is written (whole, or not at all)."""
+    import contextlib
+
+    from ..train.ownership import RunLock
+
+    root = Path(a.runs_dir) / "make-run-gpt"
+    root.mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(RunLock(root, "comparison directory").acquire()):
+        return _run_gpt(a, network_reason, root)
+
+
+def _run_gpt(a, network_reason: str | None, root: Path) -> int:
+    from ..train.ownership import atomic_write
     from .compare import compare
 
     configs = ";".join(BASELINE_ROWS + (a.sparse.split(";") if a.sparse else SPARSYNC_ROWS))
@@ -60,12 +74,11 @@ def run_gpt(a, network_reason: str | None) -> int:
     if network_reason:
         print(f"NOTE: the time pass runs over LOOPBACK ({network_reason}): no link ratio of ~20 here", flush=True)
     compare(_compare_args(a, configs, "time", net, TIME_STEPS), title=f"{WORKLOAD}: step times ({net or 'loopback'})")
-    root = Path(a.runs_dir) / "make-run-gpt"
     rows = merged(_runs(root / "convergence"), _runs(root / "time"))
     text = format_merged(rows, net or "loopback") + "\n\n" + verdict(rows, net is not None)
     print("\n" + text)
-    (root / "report.md").write_text(f"# make run: {WORKLOAD} at {net or 'loopback'}\n\n{text}\n\n"
-                                    "Convergence: `convergence/report.md`; step times: `time/report.md`.\n")
+    atomic_write(root / "report.md", f"# make run: {WORKLOAD} at {net or 'loopback'}\n\n{text}\n\n"
+                                     "Convergence: `convergence/report.md`; step times: `time/report.md`.\n")
     print(f"\nreport: {root / 'report.md'}")
     return 0
 

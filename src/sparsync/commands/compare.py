@@ -233,8 +233,11 @@ def _clock(s: float) -> str:
     return f"{int(s) // 60}:{int(s) % 60:02d}"
 
 
-def compare(args, notes: list[str] | None = None, title: str | None = None):
-    """Run every configuration; returns (report path, table rows)."""
+def compare(args, notes: list[str] | None = None, title: str | None = None, finish=None):
+    """Run every configuration; returns (report path, table rows). ``finish(staged_dir)``: the caller's
+    additions to the report set (``run-default``'s verdict), called once report.md, the plots and the data
+    are written into the staging directory - still under the comparison's lock, and moved into place
+    with the rest (a failure leaves none of the set)."""
     import json
 
     from ..train.loop import launch
@@ -296,6 +299,8 @@ def compare(args, notes: list[str] | None = None, title: str | None = None):
                 report = root / write_report(tmp, done, title, notes).name
             csv_path, json_path = write_comparison(tmp, [dict(s, path=str(d)) for s, d in zip(summaries, done)],
                                                    rows=aggregate_records(summaries))
+            if finish is not None:
+                finish(tmp)
     print()
     print(format_table(rows, markdown=False, compact=True))
     print(f"\nreport: {os.path.relpath(report)} (data: {csv_path.name}, {json_path.name}); "

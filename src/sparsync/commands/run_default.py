@@ -25,7 +25,9 @@ the other tables of ``docs/benchmarks.md``.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 #: the sparse configurations ``make run`` shows, best first (``sparsync compare --configs`` syntax),
 #: chosen by the steps-to-target measurements in docs/benchmarks.md ("End to end"): fp16 values halve
@@ -130,13 +132,17 @@ def run(a) -> int:
         resume=a.resume)
     print(f"{a.repeats * a.seeds} rounds x {len(configs.split(';'))} rows, round-robin; every row once per round"
           + (f" ({notes[-1]})" if notes and notes[-1].startswith("trimmed") else ""), flush=True)
-    report, _ = compare(args, notes=notes, title=f"make run: {a.workload}, {a.workers} workers, {network}")
-    import json
+    said = []
 
-    text = verdict(json.loads((report.parent / "comparison.json").read_text())["runs"])  # this run's, no other
-    print(text)
-    with open(report, "a") as f:
-        f.write("\n## Verdict\n\n" + "".join(f"    {line}\n" for line in text.splitlines()) + "\n")
+    def add_verdict(staged: Path) -> None:  # into the report before it is moved in, under the comparison's lock
+        from ..train.ownership import atomic_write
+
+        said.append(verdict(json.loads((staged / "comparison.json").read_text())["runs"]))  # this run's, no other
+        atomic_write(staged / "report.md", (staged / "report.md").read_text() + "\n## Verdict\n\n"
+                     + "".join(f"    {line}\n" for line in said[0].splitlines()) + "\n")
+
+    compare(args, notes=notes, title=f"make run: {a.workload}, {a.workers} workers, {network}", finish=add_verdict)
+    print(said[0])
     return 0
 
 
