@@ -637,6 +637,20 @@ def _start_enospc():
     return "clean error", f"3 files, each {outs[0][1]}; no directory and no .lock left"
 
 
+@case("disk", "disk already full when a run starts (a full 4 KiB tmpfs; the pid in `<run>/.lock` is the first write)")
+def _full_at_start():
+    if os.geteuid() != 0:
+        return "not tried", "needs root to mount a small tmpfs"
+    with tmpfs(Path(_TMP) / "full-at-start", "size=4k") as d:
+        with open(d / "fill", "wb", buffering=0) as f:  # every later write gets ENOSPC
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 1024)
+        return _main_case(["train", *_SMALL, "--steps", "2", "--runs-dir", str(d / "runs"), "--name", "r"], 2,
+                          r"No space left on device: .*/runs/r/\.lock$",
+                          lambda: "the run directory (and its .lock) was left" if (d / "runs" / "r").exists() else None)
+
+
 @case("disk", "disk full (ENOSPC) while `compare` writes its plots, then while it rewrites its report")
 def _report_enospc():
     from matplotlib.figure import Figure
@@ -939,6 +953,35 @@ def _sites_env():
             os.environ.pop("SPARSYNC_SITES", None)
         else:
             os.environ["SPARSYNC_SITES"] = old
+
+
+def _with_sites(spec, fn):
+    old = os.environ.get("SPARSYNC_SITES")
+    os.environ["SPARSYNC_SITES"] = spec
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("SPARSYNC_SITES", None)
+        else:
+            os.environ["SPARSYNC_SITES"] = old
+
+
+_BENCH = ["bench", "reducers", "--numel", "1e3", "--steps", "1", "--warmup", "0"]
+for _argv, _pattern in (([*_BENCH, "--workers", "4", "--bandwidth", "loopback,2000gbit"],
+                         r"argument --bandwidth: bandwidth must be at most 1000gbit"),
+                        (["plan", "--workers", "4", "--measure", "1e30gbit"],
+                         r"argument --measure: bandwidth must be at most 1000gbit")):
+    case("bad input", f"`sparsync {' '.join(_argv)}` (refused before the first network runs)")(
+        lambda a=_argv, p=_pattern: _main_case(a, 2, p))
+
+
+@case("bad input", "`SPARSYNC_SITES='0,1;2' sparsync bench reducers --reducers hier --workers 4` (before any row runs)")
+def _sites_env_bench():
+    return _with_sites("0,1;2", lambda: _main_case(
+        [*_BENCH, "--reducers", "hier", "--workers", "4"], 2,
+        r"SPARSYNC_SITES='0,1;2': sites 0,1;2 must hold every rank 0\.\.3 exactly once \(world size 4\)"))
+
 
 # ---------------------------------------------------------------------- security
 _PLANTED = r"""
