@@ -8,8 +8,10 @@ autograd engine) goes on computing: the overlap of MG-WFBP's Algorithm 2.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 
 __all__ = ["CommWorker"]
 
@@ -22,6 +24,7 @@ class CommWorker:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     def _run(self):
         while True:
@@ -39,3 +42,16 @@ class CommWorker:
 
     def __getstate__(self):
         raise TypeError("a CommWorker (a live thread) cannot be pickled")
+
+
+_LIVE: "weakref.WeakSet[CommWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    """At interpreter exit, let every live worker finish what was submitted and stop (a few seconds at
+    most each): a thread still inside a collective while the process tears down its process groups
+    aborts the process ("terminate called without an active exception")."""
+    for w in list(_LIVE):
+        w.close()
+        w._thread.join(timeout=5)

@@ -41,3 +41,5 @@ resumed, hook = run(4, 8, load=path)
 dense, _ = run(0, 8, hooked=False)
 save({"straight": straight, "resumed": resumed, "dense": dense, "used": used and hook_used(hook),
       "in_ckpt": any(f.startswith("custom_checkpoint") for f in os.listdir(path))})
+if torch.distributed.is_initialized():  # every group down before exit, as torch asks
+    torch.distributed.destroy_process_group()

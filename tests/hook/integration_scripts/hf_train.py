@@ -55,3 +55,5 @@ resumed, cb, _ = run("half", 8, resume=ckpt)
 dense, _, _ = run("dense", 8, hooked=False)
 save({"straight": straight, "resumed": resumed, "dense": dense, "used": used and hook_used(cb.hook),
       "in_ckpt": os.path.isfile(os.path.join(ckpt, ss_hf.FILE_NAME)), "find_unused": find_unused})
+if torch.distributed.is_initialized():  # every group down before exit, as torch asks
+    torch.distributed.destroy_process_group()

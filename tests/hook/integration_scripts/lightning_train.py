@@ -50,3 +50,5 @@ resumed = fit(2, [cb], ckpt_in=path)
 dense = fit(2, [])
 save({"straight": straight, "resumed": resumed, "dense": dense, "used": used and hook_used(cb.hook),
       "in_ckpt": "sparsync_hook" in torch.load(path, weights_only=False)})
+if torch.distributed.is_initialized():  # every group down before exit, as torch asks
+    torch.distributed.destroy_process_group()
