@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from ..select.chunked import chunked_topk, per_chunk_k, short_chunk_k
-from ..select.quantise import bits_for, check_value_bits, decode_message, encode_message, payload_bytes
+from ..select.quantise import bits_for, check_value_bits, encode_message, payload_bytes, sum_messages
 from ..sparse import set_at
 from .base import Reducer
 from .memory import check_decay
@@ -85,11 +85,8 @@ class SparseLoCoReducer(Reducer):
             parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
         with self.timed("select"):
             out = self.zeros_output(n, torch.promote_types(acc.dtype, torch.float32), acc.device)
-            base = idx - local  # the chunks' starts: the same on every rank (fixed counts per chunk)
-            for m in parts:  # rank order: the same sum, bit for bit, everywhere
-                where, v = decode_message(m, count, width, bits)
-                out.index_add_(0, base + where, v.to(out.dtype))
-        return out
+            # the chunks' starts are the same on every rank (fixed counts per chunk)
+            return sum_messages(parts, count, width, bits, out, base=idx - local)
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, chunk=4096, value_bits=2, density=None, **_):

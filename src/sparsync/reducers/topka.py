@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives.allgather import allgather
-from ..select.quantise import bits_for, check_value_bits, decode_message, encode_message, payload_bytes
+from ..select.quantise import bits_for, check_value_bits, encode_message, payload_bytes, sum_messages
 from ..select.topk import topk_abs
 from ..sparse import SparseVec, set_at
 from .base import Reducer
@@ -97,7 +97,4 @@ class TopkAReducer(Reducer):
             parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
         with self.timed("select"):
             out = self.zeros_output(n, torch.promote_types(acc.dtype, torch.float32), acc.device)
-            for m in parts:  # rank order: the same sum, bit for bit, everywhere
-                where, v = decode_message(m, count, width, bits)
-                out.index_add_(0, where, v.to(out.dtype))
-        return out
+            return sum_messages(parts, count, width, bits, out)

@@ -28,7 +28,7 @@ import math
 import torch
 
 __all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "dequantise", "payload_bytes",
-           "encode_message", "decode_message", "check_value_bits"]
+           "encode_message", "decode_message", "sum_messages", "check_value_bits"]
 
 #: value widths: 2, 4, 8 bits with a table; 16 (fp16) and 32 (fp32) as they are
 VALUE_BITS = (2, 4, 8, 16, 32)
@@ -165,3 +165,14 @@ def decode_message(msg: torch.Tensor, count: int, width: int, bits: int) -> tupl
         return where, v.clone().view(torch.float16 if bits == 16 else torch.float32).to(torch.float32)
     nc = -(-count * bits // 8)
     return where, dequantise(unpack_bits(v[:nc], bits, count), v[nc:].clone().view(torch.float32))
+
+
+def sum_messages(parts: list, count: int, width: int, bits: int, out: torch.Tensor,
+                 base: torch.Tensor | None = None) -> torch.Tensor:
+    """Add every rank's message (:func:`decode_message`) into ``out`` in rank order - one ``index_add_``
+    each, so every rank that sums the same messages gets the same bits. ``base``: added to the decoded
+    indices (chunk starts, when the indices are chunk-local)."""
+    for m in parts:
+        where, v = decode_message(m, count, width, bits)
+        out.index_add_(0, where if base is None else base + where, v.to(out.dtype))
+    return out
