@@ -29,7 +29,7 @@ def _hook(r, ev):
     if ev["event"] == "probe":
         return _probe(r, ev)
     if ev["event"] == "call":
-        c = r._last_cost
+        c = r._cand.stats
         model = _ring(c["bytes_received"], c["rounds"])
         total = 0.05 + model
         wire = model if step < 4 else 4 * model
@@ -45,7 +45,7 @@ def _run(comm, hook=_hook, steps=STEPS, check_every=2, penalty=1.0):
     g = torch.Generator().manual_seed(comm.rank)
     for _ in range(steps):
         r.reduce(torch.randn(N, generator=g))
-    return r.decisions, dict(r.link)
+    return r.decisions, dict(r.link.levels)
 
 
 def test_a_cpu_spike_after_a_wire_refit_is_not_called_a_link_change():
@@ -101,7 +101,7 @@ def _drop_hook(r, ev):
     if ev["event"] == "probe":
         return _probe(r, ev, beta)
     if ev["event"] == "call":
-        c = r._last_cost
+        c = r._cand.stats
         w = _ring(c["bytes_received"], c["rounds"], beta)
         return {**ev, "wire_s": w, "total_s": w + 1e-4}
     if ev["event"] == "window":
@@ -130,7 +130,7 @@ def _misread_start_hook(r, ev):
     if ev["event"] == "probe":
         return _probe(r, ev, beta)
     if ev["event"] == "call":
-        c = r._last_cost
+        c = r._cand.stats
         w = _ring(c["bytes_received"], c["rounds"])
         return {**ev, "wire_s": w, "total_s": w + 1e-4}
     if ev["event"] == "window":

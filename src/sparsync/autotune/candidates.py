@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..reducers.base import VALUE_DTYPES
 from ..reducers.registry import REDUCERS
 
-__all__ = ["Candidate", "parse_candidate", "listed", "conserving", "for_adaptive_optimizer"]
+__all__ = ["Candidate", "candidate_list", "parse_candidate", "listed", "conserving", "for_adaptive_optimizer"]
 
 
 class Candidate:
@@ -69,6 +69,32 @@ def parse_candidate(spec: str, density: float = 0.01) -> Candidate:
     if VALUE_DTYPES[vd] is not None and not cls.supports_value_dtype:
         raise ValueError(f"auto: candidate {spec!r}: reducer {outer or name!r} cannot send {vd} values")
     return Candidate(name, d, vd, outer)
+
+
+def candidate_list(candidates, density: float, sparse: str, densities, values, layout) -> tuple[list, tuple]:
+    """(the candidates, the densities) of auto's options: ``candidates`` as given, else dense, dense at
+    each half precision of ``values`` and ``sparse`` at each of ``densities`` with each of ``values``,
+    also under ``hier`` when ``layout`` has several sites of several ranks. One-line ValueErrors."""
+    values, densities = listed(values), listed(densities)  # "fp32/fp16", "0.01/0.02" from the CLI
+    if any(v not in VALUE_DTYPES for v in values):
+        raise ValueError(f"auto: values must be among {', '.join(VALUE_DTYPES)}, got {values!r}")
+    try:
+        densities = tuple(float(d) for d in densities)
+    except (TypeError, ValueError):
+        raise ValueError(f"auto: densities must be numbers in (0, 1], got {densities!r}") from None
+    if not densities or any(not (0 < d <= 1) for d in densities):
+        raise ValueError(f"auto: densities must be in (0, 1], got {densities!r}")
+    multi = layout is not None and len(layout) > 1 and len(layout[0]) > 1
+    if candidates is None:
+        candidates = ["dense"] + [f"dense:{v}" for v in values if v != "fp32"]
+        candidates += [f"{p}{sparse}:{d:g}:{v}" for p in [""] + ["hier:"] * multi for d in densities for v in values]
+    out = [parse_candidate(c, density) for c in listed(candidates)]
+    if not out:
+        raise ValueError("auto: no candidates")
+    if any(c.reducer == "hier" for c in out) and not multi:
+        raise ValueError("auto: a hier candidate needs several sites of several ranks (sites= or the "
+                         "environment, see sparsync.site_layout)")
+    return out, densities
 
 
 def _is_number(s: str) -> bool:

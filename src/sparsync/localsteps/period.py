@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..autotune.decision import max_and_mean
+from ..autotune.link import max_and_mean
 
 __all__ = ["PERIOD_COST", "MAX_PERIOD", "START_PERIOD", "AutoPeriod", "best_period", "default_period_cost"]
 

@@ -1,141 +1,76 @@
-"""``auto``: picks the exchange from the measured link and gradient, and picks again when they change.
+"""``auto``: runs the candidate exchange that is fastest on this machine after its convergence cost.
 
-``make_reducer("auto", comm)`` (``SparseDDP(model, comm, reducer="auto")``, ``ddp_hook("auto")``,
-``sparsync train --reducer auto``) holds one *active* candidate reducer - created by name through the
-registry - and hands every call to it. Each merge group has its own instance, so each group decides
-for itself. Candidates (option ``candidates``, a list or one string separated by ``/``, ``,`` or ``;``;
-each spelled ``"dense"``, ``"dense:fp16"``,
-``"micro:0.01"``, ``"micro:0.02:fp16"``, ``"hier:micro:0.01"``): by default dense fp32, dense with fp16
-values (torch's ``fp16_compress_hook``), ``sparse`` (micro) at ``densities`` 1/2/5 % with fp32 and
-fp16 values, and - when the ranks sit in several sites of several ranks (:func:`sparsync.site_layout`)
-- ``hier`` with each of those sparse reducers between the sites.
+``make_reducer("auto", comm)`` (``SparseDDP(m, comm, reducer="auto")``, ``ddp_hook("auto")``, ``sparsync
+train --reducer auto``) hands every call to one *active* candidate reducer made through the registry
+(each merge group its own). ``candidates``: e.g. ``"dense,dense:fp16,micro:0.01:fp16,hier:micro:0.01"``;
+by default dense, dense fp16 and ``sparse`` at ``densities`` x ``values`` (also under ``hier`` with sites).
 
-What it decides from:
+1. **Time.** A candidate's time per call: the median of its windows since the last link change or
+   periodic decision; before it has one, ``alpha * rounds + beta * bytes`` on the probed (or declared,
+   ``link=``) link plus its CPU time per element - its reducer's measured one, else a prior scaled
+   by how much slower than theirs the measured sparse reducers ran.
+2. **Cost.** ``score = penalty * (gap + time)``; ``gap``: the step's compute outside the call;
+   ``penalty = 1 + c (1 - kept) / kept`` for a sparse candidate, 1 for dense.
+3. **Choice.** The lowest score; the active candidate stays unless ``best * (1 + margin) < active``.
+4. **Windows.** Every ``check_every`` calls the ranks share their window (its median, the maximum
+   over ranks) once it holds ``check_every - 1`` measured calls; a run's first ``warmup`` calls and a
+   new candidate's first call are not measured.
+5. **Re-time.** A window more than ``deviation`` off the active candidate's time re-checks the link;
+   moved more than 2x: probe, forget every time, decide. Else decide at the second window in a row
+   off the same way (or the first window of a candidate not measured yet); one window off changes nothing.
+6. **Periodic.** At the first window and every ``decide_every`` calls: re-check as in 5, forget the
+   other candidates' times, decide.
+7. **Same on every rank.** Decisions read all-gathered values only; ties go to the earlier candidate.
+8. **Nothing lost.** A switch hands the old candidate's residual through auto's ``ErrorFeedback``
+   into the new one's first input.
 
-(a) **a probe** at the first call and again at a periodic decision or when a re-check of the link
-    (one all-reduce per level, see below) moved: ``probe_repeats``
-    timed all-reduces of two sizes per level (the whole group; with sites, inside a site and across
-    sites) - 256 values for the latency, and a size that grows
-    from 16 Ki values until the bytes dominate its time (:meth:`LinkModel._probe`) -, fitted to
-    ``t = alpha * rounds + beta * bytes`` of the ring (``2(P-1)`` rounds, ``2(P-1)/P * size`` bytes):
-    latency alpha and inverse bandwidth beta per level (Hockney's model, as in the documents' cost
-    formulas); the maximum over ranks;
-(b) **per-call times** of the active candidate: its wall time (``total_s``), its wire time
-    (``comm_s``) and the time between calls (``gap``: the step's compute outside this group's
-    reduce; before the first call, the compute since ``compute_start``, which SparseDDP sets to the
-    start of backward). Where the link is declared (``link=``, no probe) a bandwidth-bound call
-    refits the level's beta from its wire time; a probed link is only ever the probe's. The measured
-    total minus the predicted wire becomes that reducer's CPU overhead per element (priors
-    :data:`~sparsync.autotune.link.CPU_PRIOR_S` until measured, scaled by how much slower than
-    their priors the sparse reducers measured so far ran) - on shared cores a sparse call's "wire"
-    is mostly waiting for the other ranks, which is CPU, not link. A candidate's predicted time is
-    ``alpha * rounds + beta * bytes`` from its registered ``predicted_cost`` (per level for ``hier``)
-    plus its overhead - or, for a candidate that ran since the last link change (the probed bandwidth
-    moved by 2x), the median of the time per call of its windows since then (the last 8), so that
-    one window slowed by a busy core moves it little;
-(c) **gradient statistics**: on a fixed sample of ``sample`` entries of the accumulated gradient
-    (``grad + residual`` of the active candidate), the fraction ``kept(d)`` of its squared mass that
-    the largest ``d`` share of entries hold, per density (one sort of the sample, vectorised), mean
-    over ranks. Under error feedback the accumulated vector spreads, so while a dense candidate runs
-    (no residual) the last value measured under a sparse one stands in, and before any, the kept
-    mass of the vector two steps of error feedback would make of the sample
-    (:func:`~sparsync.autotune.kept.kept_under_feedback`).
-
-The objective is time per unit of progress: ``score = penalty(kept) * (gap + t_candidate)``, with
-the **convergence cost of low density** ``penalty(kept) = 1 + c * (1 - kept) / kept`` - the expected
-number of steps relative to the exact exchange. Error feedback makes a sparsified method converge at
-SGD's rate with a slow-down governed by how much of the accumulated vector one step transmits (the
-compression parameter ``delta`` of the contraction ``||x - C(x)||^2 <= (1 - delta) ||x||^2``; top-k
-keeps ``delta = kept``): Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018;
-Karimireddy et al., "Error Feedback Fixes SignSGD", ICML 2019 (a ``(1 - delta) / delta^2`` term);
-Lin et al., "Deep Gradient Compression", ICLR 2018, for the practice. The first-order term
-``(1 - delta) / delta`` is what we charge; ``c = penalty`` (:data:`PENALTY`) is calibrated from measured
-steps to target of plain error-feedback MiCRO on the digits MLP (4 workers, Nesterov SGD: dense 36
-steps, micro 1 / 2 / 5 % 49.5 / 48 / 40 at kept mass 0.185 / 0.255 / 0.406: c = 0.085 / 0.114 / 0.076).
-Values in fp16 are charged nothing.
-
-Re-decision: every ``check_every`` calls the ranks exchange their window's measurements and
-statistics (one small all-gather of control data). When the measured time per call of the active
-candidate differs from its prediction by more than ``deviation`` (``(measured + 5 ms) / (predicted +
-5 ms)`` outside ``[1/deviation, deviation]``) the link is re-checked at once - one all-reduce per
-level of the size the probe puts at ~10 ms (:data:`~sparsync.autotune.link.RECHECK_S`), timed once -
-and where that time moved by more than 2x probed in full: a bandwidth moved by more than 2x is a
-decision now, within ``check_every`` calls of the change. The first window after the start is
-re-checked whatever its time: a start probe that a rank off its core made read a fast link as a slow
-one shows there. Else the candidates are scored again when a second window in a row is
-off the same way (one window slowed by a busy core is not a change of CPU time), and every
-``decide_every`` calls (the measured time is the median over the candidate's windows). Between
-checks an optional **watch** (``watch=3``; off by default: its all-gather at every call cost 16-80
-ms per call on a shaped emulated link, more than it saves) reacts to an abrupt change: at every
-call the ranks share the previous call's time (the maximum over ranks, one all-gather of one
-number); when it is off the time that candidate measured at its last check by more than ``watch``
-(the factor), the link is re-checked and, where that moved, probed; if its bandwidth moved by
-more than 2x the check runs at once on that call alone - a link whose rate drops costs one slow
-step, not ``check_every``; a call slowed by a busy core leaves the choice alone. The reason names
-a link change when the probed bandwidth moved by more than 2x, else a
-change of CPU time. **Every rank makes the same decision**: it decides from the
-all-gathered values only (maximum over ranks of times, mean of the kept mass), with deterministic
-tie-breaking (the candidates' order) and a hysteresis (``margin``: the active candidate stays unless
-another scores ``margin`` lower, default 10 %).
-
-The first ``warmup`` calls of a run (allocations, first connections, a machine warming up) and the
-first call of each newly chosen candidate (its set-up) are not measurements; the first window after
-the start decision is read once it holds ``check_every - 1`` measured calls.
-
-Switching never loses gradient: the old candidate's residual is added to the first input of the new
-one (:func:`_carry_residual`), so the conservation identity of :mod:`sparsync.reducers.base` holds
-across a switch. ``stats["auto"]`` holds the active candidate and, on a call that decided, the
-decision (``reason``, predicted ms and score per candidate, kept mass per density, chosen).
-``state_dict`` holds the choice, the estimates, the window and the active candidate's state (bitwise
-resume across a decision change). Options ``link={"flat": (alpha, beta), ...}`` (seconds, seconds
-per byte) declare the link: no probe, ever; ``timings`` (attribute, a callable) replaces measured times in tests.
+Helpers, one idea each: :mod:`sparsync.autotune.link` (the probe, the time model),
+:mod:`sparsync.autotune.kept` (kept mass and penalty: sources, calibration), :mod:`sparsync.autotune.candidates`
+(spellings). ``stats["auto"]``: the choice and, on a call that decided, the decision (reason, predicted and
+scored ms, kept mass). ``timings`` (attribute, ``callable(reducer, event) -> event``): tests' times.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
 
-from ..autotune.candidates import Candidate, conserving, listed, parse_candidate
-from ..autotune.decision import Decisions
+from ..autotune.candidates import Candidate, candidate_list, conserving, parse_candidate
 from ..autotune.kept import PENALTY, KeptMass, penalty_factor
-from ..autotune.link import LinkModel
+from ..autotune.link import LINK_MOVED, Link, cpu_key, cpu_prior, max_and_mean
 from ..sites import site_layout
-from .base import VALUE_DTYPES, Reducer
-from .registry import REDUCERS, make_reducer, register
+from .base import Reducer
+from .registry import make_reducer, register
 
-__all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor", "PENALTY"]
+__all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor", "PENALTY", "conserving"]
 
-_listed, _conserving = listed, conserving  # the names this module had before its parts moved
+_EPS_S = 5e-3  # slack in the deviation test: tiny calls do not trigger decisions on noise
+_HISTORY = 8   # window times kept per candidate
 
 
-# ---------------------------------------------------------------------- the one residual hand-over
-def _carry_residual(old: Reducer | None) -> torch.Tensor | None:
-    """THE place a residual moves between candidates: what the outgoing candidate kept back (its
-    public ``residual``, a copy). :meth:`AutoReducer._reduce` adds it to the next input of the new
-    candidate, so the mass is transmitted or kept by the new one - never dropped."""
-    if old is None:
-        return None
-    res = old.residual
-    return None if res is None else res.detach().clone()
+def _side(t: float, ref: float, factor: float) -> int:
+    """+1 / -1 when ``t`` is more than ``factor`` above / below ``ref`` (with :data:`_EPS_S` slack), else 0."""
+    ratio = (t + _EPS_S) / (ref + _EPS_S)
+    return 1 if ratio > factor else -1 if ratio < 1 / factor else 0
 
 
 @register("auto")
-class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
-    """``make_reducer("auto", comm, density, candidates=None, sparse="micro", densities=(0.01, 0.02,
-    0.05), values=("fp32", "fp16"), sites=None, decide_every=50, check_every=5, deviation=1.5,
-    watch=0.0, margin=0.1, warmup=3, penalty=PENALTY, probe=True, probe_repeats=2, link=None, sample=65536,
-    candidate_options=None)``; see the module docstring. ``density`` is unused unless a candidate
-    spelling omits its own."""
+class AutoReducer(Reducer):
+    """See the module docstring. Capabilities are the class's: ``indexed_output`` (it returns the
+    :class:`~.base.IndexedSum` a sparse candidate makes), not ``conserving`` (the default dense fp16
+    candidate sums rounded values); :func:`conserving` says it of one candidate."""
+
+    indexed_output = True
+    conserving = False
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
                  check_every: int = 5, deviation: float = 1.5, watch: float = 0.0, margin: float = 0.1,
-                 warmup: int = 3,
-                 penalty: float = PENALTY,
-                 probe: bool = True, probe_repeats: int = 2, link: dict | None = None, sample: int = 65536,
-                 candidate_options: dict | None = None, value_dtype: str = "fp32", nonfinite: str = "error"):
+                 warmup: int = 3, penalty: float = PENALTY, probe: bool = True, probe_repeats: int = 2,
+                 link: dict | None = None, sample: int = 65536, candidate_options: dict | None = None,
+                 value_dtype: str = "fp32", nonfinite: str = "error"):
         if value_dtype != "fp32":
             raise ValueError("auto chooses the value precision itself (values=...); do not pass value_dtype")
         super().__init__(comm, density=density, nonfinite=nonfinite)
@@ -143,210 +78,211 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                          ("probe_repeats", probe_repeats, 1), ("sample", sample, 16)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"auto: {k} must be an integer >= {lo}, got {v!r}")
-        if not (isinstance(deviation, (int, float)) and deviation > 1):
-            raise ValueError(f"auto: deviation must be a factor > 1, got {deviation!r}")
-        if isinstance(watch, bool) or not (isinstance(watch, (int, float)) and (watch == 0 or watch > 1)):
-            raise ValueError(f"auto: watch must be 0 (off) or a factor > 1, got {watch!r}")
-        if not (isinstance(margin, (int, float)) and 0 <= margin < 1):
-            raise ValueError(f"auto: margin must be in [0, 1), got {margin!r}")
-        if not (isinstance(penalty, (int, float)) and penalty >= 0):
-            raise ValueError(f"auto: penalty must be >= 0, got {penalty!r}")
-        values, densities = listed(values), listed(densities)  # "fp32/fp16", "0.01/0.02" from the CLI
-        for v in values:
-            if v not in VALUE_DTYPES:
-                raise ValueError(f"auto: values must be among {', '.join(VALUE_DTYPES)}, got {v!r}")
-        try:
-            self.densities = tuple(float(d) for d in densities)
-        except (TypeError, ValueError):
-            raise ValueError(f"auto: densities must be numbers in (0, 1], got {densities!r}") from None
-        if not self.densities or any(not (0 < d <= 1) for d in self.densities):
-            raise ValueError(f"auto: densities must be in (0, 1], got {densities!r}")
-        self.layout = None if sites is None else site_layout(comm.world_size, sites)
-        if self.layout is None:
-            self.layout = site_layout(comm.world_size)
-        multi = self.layout is not None and len(self.layout) > 1 and len(self.layout[0]) > 1
-        if candidates is None:
-            candidates = ["dense"] + [f"dense:{v}" for v in values if v != "fp32"]
-            candidates += [f"{sparse}:{d:g}:{v}" for d in self.densities for v in values]
-            if multi:
-                candidates += [f"hier:{sparse}:{d:g}:{v}" for d in self.densities for v in values]
-        else:
-            candidates = listed(candidates)
-        self.candidates = [parse_candidate(c, density) for c in candidates]
-        if not self.candidates:
-            raise ValueError("auto: no candidates")
-        if any(c.reducer == "hier" for c in self.candidates) and not multi:
-            raise ValueError("auto: a hier candidate needs several sites of several ranks (sites= or the "
-                             "environment, see sparsync.site_layout)")
-        self.candidate_options = dict(candidate_options or {})
-        self.conserving = all(conserving(c) for c in self.candidates)
-        # an instance *may* return an IndexedSum (when its active candidate does): SparseDDP then
-        # writes only the non-zeros, as with that candidate alone; the class declares False (not always)
-        self.indexed_output = any(REDUCERS.lookup(c.reducer).indexed_output for c in self.candidates)
-        self.decide_every, self.check_every = decide_every, check_every
-        self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
-        self.watch = float(watch)
-        self.warmup = warmup
-        self.probe, self.probe_repeats, self.sample = bool(probe), probe_repeats, sample
-        self.link: dict[str, list[float]] = {}
-        self.probe_calls: dict[str, list] = {}  # per level the re-check's call: [values, seconds]
-        self.declared = link is not None  # a declared link is never re-probed
+        for k, v, ok in (("deviation", deviation, lambda x: x > 1), ("margin", margin, lambda x: 0 <= x < 1),
+                         ("penalty", penalty, lambda x: x >= 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not ok(v):
+                raise ValueError(f"auto: {k} out of range, got {v!r} (deviation > 1, 0 <= margin < 1, penalty >= 0)")
+        if watch != 0:
+            raise ValueError(f"auto: watch was removed (its all-gather per call cost more than it saved), got "
+                             f"{watch!r}; a window off its prediction re-checks the link")
         if not probe and link is None:
             raise ValueError("auto: probe=False needs link={'flat': (alpha_s, beta_s_per_byte)}")
-        if link is not None:
-            self.link = {k: [float(a), float(b)] for k, (a, b) in dict(link).items()}
-            if "flat" not in self.link:
-                raise ValueError("auto: link= needs at least a 'flat' entry (alpha s, beta s/byte)")
-        self.cpu: dict[str, float] = {}      # measured CPU seconds per element, per reducer name
-        self.measured: dict[str, list[float]] = {}  # window medians of each candidate since the last link change
-        self.active: int | None = None       # index into candidates
-        self._cand: Reducer | None = None
-        self._carry: torch.Tensor | None = None
-        self.window: list[list[float]] = []  # this rank's [wire_s, total_s, gap_s] per call since the last check
-        self.kept: dict[float, float] = {}   # kept mass per density (mean over ranks) the decisions use
-        self.kept_ef: dict[float, float] = {}  # the last one measured while a sparse candidate (residual) ran
-        self.last_decision: dict | None = None
-        self.decisions: list[dict] = []      # every decision (step, choice, reason, ...)
-        self.since_decision = 0
-        self.timings = None                  # tests: callable(reducer, event dict) -> event dict
-        self._last_end: float | None = None
-        self._sample_idx: torch.Tensor | None = None
-        self._last_cost: dict = {}
-        self._fresh = 0  # calls of the active candidate still to run before its times are measurements
+        if link is not None and "flat" not in dict(link):
+            raise ValueError("auto: link= needs at least a 'flat' entry (alpha s, beta s/byte)")
+        self.layout = site_layout(comm.world_size, sites)
+        self.candidates, self.densities = candidate_list(candidates, density, sparse, densities, values, self.layout)
+        self.candidate_options = dict(candidate_options or {})
+        self.decide_every, self.check_every, self.warmup = decide_every, check_every, warmup
+        self.deviation, self.margin, self.penalty = float(deviation), float(margin), float(penalty)
+        self.probe = bool(probe) and link is None
+        self.link = Link(comm, self.layout, probe_repeats, link, hook=self._event)
+        self.kept = KeptMass(self.densities, sample)
+        # auto's memory holds only the residual carried across a switch (rule 8)
+        self.memory.on_nonfinite = None if nonfinite == "ignore" else self._carry_overflowed
+        self.cpu: dict[str, float] = {}      # measured CPU seconds per element, per cpu_key
+        self.measured: dict[str, list[float]] = {}  # window times per candidate (rule 1)
+        self.pending: float | None = None    # the active candidate's last window, off and not confirmed
+        self.window: list[list[float]] = []  # this rank's [total_s, gap_s] per measured call
+        self.decisions, self.last_decision, self.timings = [], None, None
+        self.active, self._cand, self._last_end, self.since_decision, self._fresh = None, None, None, 0, 0
 
-    # ------------------------------------------------------------------ residual = active's + carried
+    # ------------------------------------------------------------------ residual: the candidate's or the carried one
     @property
     def residual(self) -> torch.Tensor | None:
-        cand = self.__dict__.get("_cand")
-        res = None if cand is None else cand.residual
-        carry = self.__dict__.get("_carry")
-        if carry is None:
-            return res
-        return carry.clone() if res is None else res + carry
+        carried = self.memory.residual
+        return carried if carried is not None or self._cand is None else self._cand.residual
 
     @residual.setter
     def residual(self, value) -> None:
-        self.__dict__["_carry"] = value
-        cand = self.__dict__.get("_cand")
-        if cand is not None:
-            cand.residual = None
+        self.memory.residual = value  # (one of the two is None at any time: the carry goes at the next call)
+        if self._cand is not None:
+            self._cand.residual = None
 
     @property
     def choice(self) -> str | None:
         """The active candidate's spelling (None before the first call)."""
         return None if self.active is None else self.candidates[self.active].spec
 
+    def _event(self, ev: dict) -> dict:
+        return ev if self.timings is None else self.timings(self, ev)
+
+    def _carry_overflowed(self, values: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None and bool(torch.isfinite(values).all()):
+            raise FloatingPointError(f"rank {self.comm.rank}: auto.reduce: the gradient is finite but its sum with "
+                                     f"the residual carried from an earlier candidate is not (step {self.step})")
+        self._raise_nonfinite(values)
+
     # ------------------------------------------------------------------ the call
     def _reduce(self, grad: torch.Tensor):
-        t_start = time.perf_counter()
-        gap = None if self._last_end is None else t_start - self._last_end
+        t0 = time.perf_counter()
+        gap = None if self._last_end is None else t0 - self._last_end
         if gap is None and self.compute_start is not None:  # the first call: the compute since it began
-            gap = max(0.0, t_start - self.compute_start)
+            gap = max(0.0, t0 - self.compute_start)
         decision = None
         if self.active is None:
-            probe_s = 0.0
-            if not self.link:
-                cache = self.comm.__dict__.setdefault("_auto_link", {})  # one probe per communicator
-                key = repr(self.layout)
-                if key not in cache:
-                    probe_s = self._probe(grad.numel())
-                    cache[key] = ({k: list(v) for k, v in self.link.items()},
-                                  {k: list(v) for k, v in self.probe_calls.items()})
-                link, calls = cache[key]
-                self.link = {k: list(v) for k, v in link.items()}
-                self.probe_calls = {k: list(v) for k, v in calls.items()}
-            # the step's compute so far (when the caller said when it began: compute_start), max over ranks
-            (hint,), kept = self._gather([0.0 if gap is None else gap], self._kept_local(grad))
-            decision = self._decide(grad.numel(), hint, kept, "start")
-            decision["probe_s"] = probe_s
-        elif self.step % self.check_every == 0 and len(self.window) >= self._window_needed():
+            probe_s = self.link.probe(grad.numel()) if self.probe else 0.0
+            (hint,), kept = max_and_mean(self.comm, [gap or 0.0], self._kept_local(grad, True))
+            self.kept.update(kept, None)
+            decision = {**self._decide(grad.numel(), hint, "start"), "probe_s": probe_s}
+        elif self.step % self.check_every == 0 and len(self.window) >= max(1, self.check_every - 1):
             decision = self._check(grad)
-        elif self.watch and self.window and self.candidates[self.active].spec in self.measured:
-            decision = self._watch(grad)
-        x = grad if self._carry is None else grad + self._carry  # (a sum of its own: auto's to give)
-        cand = self._cand
-        # an IndexedSum where the candidate makes one (base.reduce densifies it for a caller that did
-        # not ask for one); the input passed on as donated when the caller donated it, or it is auto's.
-        # The carry is dropped only once the candidate took it (a call that raises absorbed nothing).
-        try:
-            out = cand.reduce(x, indexed=True, donate=self.donated or x is not grad)
-        except FloatingPointError as e:
-            if self._carry is not None and bool(torch.isfinite(grad).all()):
-                raise FloatingPointError(f"auto.reduce: the gradient is finite but its sum with the residual "
-                                         f"carried from an earlier candidate is not (the residual overflowed; "
-                                         f"step {self.step})") from e
-            raise
-        self._carry = None
-        st = cand.stats
-        ev = {"wire_s": float(st.get("comm_s", 0.0)), "total_s": float(st.get("total_s", 0.0))}
-        self._last_cost = {k: st.get(k, 0) for k in ("rounds", "bytes_received", "intra_rounds",
-                                                     "intra_bytes_received", "inter_rounds", "inter_bytes_received")}
-        if self.timings is not None:
-            ev = self.timings(self, {"event": "call", "candidate": self.choice, **ev})
-        if self._fresh:  # a candidate's first call pays its set-up (checks, buffers), the run's first calls
-            self._fresh -= 1  # its warm-up (allocations, first connections): not measurements
+        x = grad if self.memory.residual is None else self.memory.add(grad)  # rule 8: the carried residual
+        out = self._cand.reduce(x, indexed=True, donate=self.donated or x is not grad)
+        self.memory.residual = None  # the candidate took it (a call that raised took nothing)
+        ev = self._event({"event": "call", "candidate": self.choice, "total_s": float(self._cand.stats["total_s"])})
+        if self._fresh:
+            self._fresh -= 1
         else:
-            self.window.append([ev["wire_s"], ev["total_s"], -1.0 if gap is None else gap])
+            self.window.append([ev["total_s"], -1.0 if gap is None else gap])
         self.since_decision += 1
-        keep = ("select_s", "comm_s", "selected", "intra_bytes", "inter_bytes", "intra_bytes_received",
-                "inter_bytes_received", "intra_rounds", "inter_rounds", "sites")
-        self.stats.update({k: st[k] for k in keep if k in st})
+        st = self._cand.stats
+        self.stats.update({k: st[k] for k in ("select_s", "comm_s", "selected", "intra_bytes", "inter_bytes",
+                                              "intra_bytes_received", "inter_bytes_received", "intra_rounds",
+                                              "inter_rounds", "sites") if k in st})
         self.stats["auto"] = {"choice": self.choice, **({"decision": decision} if decision else {})}
         self._last_end = time.perf_counter()
         return out
 
-    def _window_needed(self) -> int:
-        """Measured calls a window needs before a check reads it: 2; the first window after the start
-        decision ``check_every - 1`` (it decides on measured times, and one busy core in a window of
-        two made auto leave the right candidate for a run)."""
-        return max(2, self.check_every - 1) if len(self.decisions) == 1 else 2
+    def _kept_local(self, grad: torch.Tensor, fresh: bool) -> list[float]:
+        """This rank's kept mass per density; while dense runs (no residual to measure) re-estimated
+        only for a periodic decision (``fresh``)."""
+        if not any(c.sparse for c in self.candidates):
+            return [1.0 for _ in self.densities]
+        dense_now = self.active is not None and not self.candidates[self.active].sparse
+        return self.kept.local(grad, self.residual, measure=fresh or not dense_now)
+
+    def _check(self, grad: torch.Tensor) -> dict | None:
+        """Rules 4-6 on the window just closed."""
+        rows, self.window, n = self.window, [], grad.numel()
+        gaps = [g for _, g in rows if g >= 0] or [0.0]
+        ev = self._event({"event": "window", "total_s": statistics.median(t for t, _ in rows),
+                          "gap_s": statistics.median(gaps)})
+        first = len(self.decisions) == 1
+        periodic = first or self.since_decision >= self.decide_every
+        (total, gap), kept = max_and_mean(self.comm, [ev["total_s"], ev["gap_s"]], self._kept_local(grad, periodic))
+        cand = self.candidates[self.active]
+        self.kept.update(kept, cand.sparse)
+        history, ref = self.measured.get(cand.spec, []), self._time(cand, n)
+        side = _side(total, ref, self.deviation)
+        confirmed = side != 0 and (not history or (self.pending is not None
+                                                   and _side(self.pending, ref, self.deviation) == side))
+        moved = 1.0
+        if self.probe and (side or periodic):  # rule 5: a window off (or a periodic decision) re-checks the link
+            beta = self.link.beta(cand)
+            if self.link.recheck() > LINK_MOVED:
+                self.link.probe(n)
+                moved = self.link.beta(cand) / max(beta, 1e-30)
+        changed = moved > LINK_MOVED or moved < 1 / LINK_MOVED
+        if side and not (changed or periodic or confirmed):
+            self.pending = total  # a single window off: not (yet) the candidate's time
+            return None
+        self.cpu[cpu_key(cand)] = max(0.0, total - self.link.wire(cand, n, self.candidate_options)) / max(1, n)
+        if changed or periodic:
+            self.measured, history = {}, []
+        if confirmed and self.pending is not None:
+            history = [self.pending]  # the candidate's time changed: the windows before no longer hold
+        self.measured[cand.spec], self.pending = (history + [total])[-_HISTORY:], None
+        if changed or confirmed:
+            why = (f"link changed (bandwidth x{1 / moved:.2f})" if changed else "first measurements" if first
+                   else "CPU time changed (the link did not)" if self.probe else "time changed (declared link)")
+            return self._decide(n, gap, f"measured {1e3 * total:.1f} ms per call vs predicted {1e3 * ref:.1f} ms "
+                                        f"(x{(total + _EPS_S) / (ref + _EPS_S):.2f}): {why}")
+        return self._decide(n, gap, "first measurements" if first else "periodic") if periodic else None
+
+    def _time(self, cand: Candidate, n: int) -> float:
+        """Rule 1: the median of its measured windows, else the model."""
+        if self.measured.get(cand.spec):
+            return statistics.median(self.measured[cand.spec])
+        per = self.cpu.get(cpu_key(cand))
+        if per is None:
+            prior = cpu_prior(cand, self.comm.device.type)
+            slow = [self.cpu[cpu_key(c)] / cpu_prior(c, self.comm.device.type) for c in self.candidates
+                    if c.reducer != "dense" and cpu_key(c) in self.cpu]
+            per = prior * (statistics.median(slow) if slow and cand.reducer != "dense" else 1.0)
+        return self.link.wire(cand, n, self.candidate_options) + per * n
+
+    def _decide(self, n: int, gap: float, reason: str) -> dict:
+        """Rules 2, 3 and 7: score every candidate on the gathered inputs, switch if needed."""
+        pred, pen, score = {}, {}, []
+        for c in self.candidates:
+            pred[c.spec] = self._time(c, n)
+            pen[c.spec] = penalty_factor(self.kept.at(c.density), self.penalty) if c.sparse else 1.0
+            score.append(pen[c.spec] * (gap + pred[c.spec]))
+        best, before = min(range(len(score)), key=lambda i: (score[i], i)), self.active
+        if before is None or (best != before and score[best] * (1 + self.margin) < score[before]):
+            self._switch(best)
+        switched = self.active != before
+        d = {"step": self.step, "reason": reason, "chosen": self.choice, "switched": switched,
+             "predicted_ms": {k: round(1e3 * v, 3) for k, v in pred.items()},
+             "score_ms": {c.spec: round(1e3 * s, 3) for c, s in zip(self.candidates, score)},
+             "penalty": {k: round(v, 4) for k, v in pen.items()}, "gap_ms": round(1e3 * gap, 3),
+             "kept": {f"{d:g}": round(v, 4) for d, v in self.kept.kept.items()},
+             "link": {k: list(v) for k, v in self.link.levels.items()}}
+        self.last_decision, self.since_decision = d, 0
+        self.decisions.append({k: d[k] for k in ("step", "reason", "chosen", "switched")})
+        return d
 
     def _switch(self, i: int) -> None:
-        c = self.candidates[i]
-        carried = _carry_residual(self._cand)
-        if carried is not None:
-            self._carry = carried if self._carry is None else self._carry + carried
+        """Rule 8: the outgoing candidate's residual joins auto's carried one (through its memory)."""
+        old, c = self._cand, self.candidates[i]
+        if old is not None and old.residual is not None:
+            self.memory.keep(self.memory.add(old.residual))
         opts = dict(self.candidate_options.get(c.reducer, {}))
         if c.reducer == "hier":
             opts.update(outer=c.outer, sites=self.layout, **self.candidate_options.get(c.outer, {}))
         if c.value_dtype != "fp32":
             opts["value_dtype"] = c.value_dtype
         self._cand = make_reducer(c.reducer, self.comm, c.density, nonfinite=self.nonfinite, **opts)
-        self._cand.step = self.step
-        self.active = i
+        self._cand.step, self.active = self.step, i
         self._fresh = 1 if self.decisions else self.warmup
 
     # ------------------------------------------------------------------ state
     def _extra_state(self) -> dict:
-        """The choice, the carried residual, the active candidate's state and the kept-mass estimates
-        (what a bitwise resume restores), and apart from them ``timings``: the measured link, CPU
-        and call times and the decisions taken on them - wall-clock readings that a resumed run
-        continues from but that no two runs share, so they are not part of a bitwise comparison."""
-        timings = {"link": {k: list(v) for k, v in self.link.items()},
-                   "probe_calls": {k: list(v) for k, v in self.probe_calls.items()}, "cpu": dict(self.cpu),
-                   "measured": {k: list(v) for k, v in self.measured.items()},
-                   "window": [list(r) for r in self.window], "last_cost": dict(self._last_cost),
-                   "decisions": list(self.decisions), "last_decision": self.last_decision}
+        """The choice, the carried residual, the active candidate's state and the kept mass (what a
+        bitwise resume restores) and, under ``timings``, the wall-clock readings decisions came from."""
+        timings = {"link": {k: list(v) for k, v in self.link.levels.items()},
+                   "probe_calls": {k: list(v) for k, v in self.link.checks.items()}, "cpu": dict(self.cpu),
+                   "measured": {k: list(v) for k, v in self.measured.items()}, "pending": self.pending,
+                   "window": [list(r) for r in self.window], "decisions": list(self.decisions),
+                   "last_decision": self.last_decision}
+        carry = self.memory.residual
         return {"candidates": [c.spec for c in self.candidates], "active": self.active,
-                "kept": dict(self.kept), "kept_ef": dict(self.kept_ef),
+                "kept": dict(self.kept.kept), "kept_ef": dict(self.kept.under_ef),
                 "since_decision": self.since_decision, "fresh": self._fresh,
-                "carry": None if self._carry is None else self._carry.detach().cpu().clone(),
+                "carry": None if carry is None else carry.detach().cpu().clone(),
                 "candidate": None if self._cand is None else self._cand.state_dict(), "timings": timings}
 
     def _check_extra_state(self, d: dict, numel) -> None:
         specs = [c.spec for c in self.candidates]
         if d.get("candidates") is not None and d["candidates"] != specs:
             raise ValueError(f"auto state was saved with candidates {d['candidates']}, this reducer has {specs}")
-        a = d.get("active")
+        a, carry = d.get("active"), d.get("carry")
         if a is not None and (isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < len(specs)):
             raise ValueError(f"auto state: active must be a candidate index in [0, {len(specs)}), got {a!r}")
-        carry = d.get("carry")
-        if carry is not None and not (isinstance(carry, torch.Tensor) and carry.dim() == 1
-                                      and carry.dtype.is_floating_point and carry.numel() == numel
-                                      and bool(torch.isfinite(carry).all())):
-            shape = tuple(carry.shape) if isinstance(carry, torch.Tensor) else type(carry).__name__
+        if carry is not None and not (isinstance(carry, torch.Tensor) and carry.dim() == 1 and carry.numel() == numel
+                                      and carry.dtype.is_floating_point and bool(torch.isfinite(carry).all())):
             raise ValueError(f"auto state: the carried residual must be a finite 1-D float tensor of {numel} "
-                             f"entries, got {shape}")
+                             f"entries, got {getattr(carry, 'shape', type(carry).__name__)}")
         if d.get("candidate") is not None and a is None:
             raise ValueError("auto state: a candidate's state without an active candidate")
         for key in ("since_decision", "fresh"):
@@ -355,30 +291,24 @@ class AutoReducer(Decisions, KeptMass, LinkModel, Reducer):
                 raise ValueError(f"auto state: {key} must be an integer >= 0, got {v!r}")
 
     def _load_extra_state(self, d: dict) -> None:
-        d = {**d, **(d.get("timings") or {})}  # (a state written before the timings had a key of their own)
-        self.link = {k: list(v) for k, v in (d.get("link") or {}).items()}
-        self.probe_calls = {k: list(v) for k, v in (d.get("probe_calls") or {}).items()}
-        self.cpu = dict(d.get("cpu") or {})
-        self.measured = {k: (list(v) if isinstance(v, (list, tuple)) else [float(v)])
-                         for k, v in (d.get("measured") or {}).items()}
-        self.window = [list(r) for r in d.get("window") or []]
-        self.kept = dict(d.get("kept") or {})
-        self.kept_ef = dict(d.get("kept_ef") or {})
-        self.since_decision = int(d.get("since_decision", 0))
-        self.decisions = list(d.get("decisions") or [])
-        self.last_decision = d.get("last_decision")
-        carry = d.get("carry")
-        self._carry = None if carry is None else carry.to(self.comm.device).clone()
-        self.active, self._cand = None, None
+        t = {**d, **(d.get("timings") or {})}
+        if t.get("link"):  # (a state without one, e.g. another world size's: the link as it is)
+            self.link.levels = {k: list(v) for k, v in t["link"].items()}
+            self.link.checks = {k: list(v) for k, v in (t.get("probe_calls") or {}).items()}
+        self.cpu = dict(t.get("cpu") or {})
+        self.measured = {k: list(v) for k, v in (t.get("measured") or {}).items()}
+        self.pending = t.get("pending")
+        self.window = [list(r[-2:]) for r in t.get("window") or []]  # (older states: [wire, total, gap])
+        self.decisions, self.last_decision = list(t.get("decisions") or []), t.get("last_decision")
+        self.kept.kept, self.kept.under_ef = dict(d.get("kept") or {}), dict(d.get("kept_ef") or {})
+        self.since_decision, self.active, self._cand = int(d.get("since_decision", 0)), None, None
         if d.get("active") is not None:
-            keep = self._carry
             self._switch(int(d["active"]))
-            self._carry = keep
             if d.get("candidate") is not None:
                 self._cand.load_state_dict(d["candidate"])
-        self._fresh = int(d.get("fresh", 0))
-        self._last_cost = dict(d.get("last_cost") or {})
-        self._last_end = None
+        carry = d.get("carry")
+        self.memory.residual = None if carry is None else carry.to(self.comm.device).clone()
+        self._fresh, self._last_end = int(d.get("fresh", 0)), None
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, **_):
