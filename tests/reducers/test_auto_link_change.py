@@ -147,3 +147,25 @@ def test_a_start_probe_that_misread_the_link_is_caught_at_the_first_window():
     assert res[0][0]["chosen"] == "micro:0.02", res[0]
     assert res[0][1]["step"] == 10 and "link changed" in res[0][1]["reason"], res[0]
     assert res[0][1]["chosen"] == "dense" and res[0][1]["switched"], res[0]
+
+
+def _run_planted(comm):
+    """:func:`_run` on the dropping link, with micro's time planted before the drop as 100 s per
+    call (a time measured on the old link, as if micro had run then)."""
+    r = make_reducer("auto", comm, candidates="dense,micro:0.02", check_every=3, penalty=0.5)
+    r.timings = _drop_hook
+    g = torch.Generator().manual_seed(comm.rank)
+    for t in range(24):
+        if t == 12:
+            r.measured["micro:0.02"] = [100.0]
+        r.reduce(torch.randn(N, generator=g))
+    return r.decisions
+
+
+def test_a_changed_link_forgets_every_candidate_s_measured_time():
+    # rule 5: the times measured on the old link no longer hold - micro's planted 100 s is forgotten
+    # at the drop, and micro is chosen from its model on the new link
+    res = ss.run_local(_run_planted, P, backend="thread")
+    assert all(d == res[0] for d in res)
+    after = [d for d in res[0] if d["step"] >= 12]
+    assert after[0]["step"] == 15 and "link changed" in after[0]["reason"] and after[0]["chosen"] == "micro:0.02", res[0]

@@ -70,7 +70,8 @@ class KeptMass:
         n = grad.numel()
         if self._idx is None or self._idx.numel() and int(self._idx[-1]) >= n:
             g = torch.Generator().manual_seed(12345)  # the same positions on every rank and every call
-            self._idx = torch.randint(0, n, (self.sample,), generator=g).unique() if self.sample < n else torch.arange(n)
+            self._idx = (torch.randint(0, n, (self.sample,), generator=g).unique() if self.sample < n
+                         else torch.arange(n))
         idx = self._idx.to(grad.device)
         x = grad.index_select(0, idx).double()
         if residual is not None:

@@ -13,6 +13,7 @@ level against what the probe put it at: far cheaper than a probe, it says whethe
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import torch
@@ -22,7 +23,7 @@ from ..reducers.registry import REDUCERS
 from .candidates import Candidate
 
 __all__ = ["CPU_PRIOR_S", "CPU_PRIOR_OTHER", "HALF_SUM_PRIOR_S", "LINK_MOVED", "PROBE_MAX", "PROBE_START",
-           "PROBE_SURE_S", "RECHECK_S", "Link", "cpu_key", "cpu_prior", "max_and_mean", "mid"]
+           "PROBE_SURE_S", "RECHECK_S", "Link", "cpu_key", "cpu_per_element", "cpu_prior", "max_and_mean", "mid"]
 
 #: CPU seconds per gradient element of a reducer until it has been measured (select, error feedback,
 #: copies); a measured value replaces them
@@ -70,6 +71,18 @@ def cpu_prior(cand: Candidate, device_type: str = "cpu") -> float:
     if cand.reducer == "dense" and cand.value_dtype != "fp32" and device_type == "cpu":
         base += HALF_SUM_PRIOR_S
     return base
+
+
+def cpu_per_element(cand: Candidate, measured: dict, candidates, device_type: str = "cpu") -> float:
+    """A candidate's CPU seconds per element: its :func:`cpu_key`'s ``measured`` one, else its prior
+    scaled by how much slower than their priors the measured sparse reducers ran (the median ratio;
+    not for dense, whose CPU time is copies), so that a loaded machine does not make an unmeasured
+    reducer look cheap."""
+    if cpu_key(cand) in measured:
+        return measured[cpu_key(cand)]
+    sparse = {cpu_key(c): c for c in candidates if c.reducer != "dense"}
+    slow = [measured[k] / cpu_prior(c, device_type) for k, c in sparse.items() if k in measured]
+    return cpu_prior(cand, device_type) * (statistics.median(slow) if slow and cand.reducer != "dense" else 1.0)
 
 
 def mid(v) -> float:

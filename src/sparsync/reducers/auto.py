@@ -39,7 +39,7 @@ import torch
 
 from ..autotune.candidates import Candidate, candidate_list, conserving, parse_candidate
 from ..autotune.kept import PENALTY, KeptMass, penalty_factor
-from ..autotune.link import LINK_MOVED, Link, cpu_key, cpu_prior, max_and_mean
+from ..autotune.link import LINK_MOVED, Link, cpu_key, cpu_per_element, max_and_mean
 from ..sites import site_layout
 from .base import Reducer
 from .registry import make_reducer, register
@@ -48,6 +48,8 @@ __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor", "PEN
 
 _EPS_S = 5e-3  # slack in the deviation test: tiny calls do not trigger decisions on noise
 _HISTORY = 8   # window times kept per candidate
+_PASSED_STATS = ("select_s", "comm_s", "selected", "intra_bytes", "inter_bytes", "intra_bytes_received",
+                 "inter_bytes_received", "intra_rounds", "inter_rounds", "sites")  # the candidate's, as auto's
 
 
 def _side(t: float, ref: float, factor: float) -> int:
@@ -58,9 +60,8 @@ def _side(t: float, ref: float, factor: float) -> int:
 
 @register("auto")
 class AutoReducer(Reducer):
-    """See the module docstring. Capabilities are the class's: ``indexed_output`` (it returns the
-    :class:`~.base.IndexedSum` a sparse candidate makes), not ``conserving`` (the default dense fp16
-    candidate sums rounded values); :func:`conserving` says it of one candidate."""
+    """See the module docstring. Capabilities are the class's: ``indexed_output`` (a sparse candidate's
+    :class:`~.base.IndexedSum`), not ``conserving`` (dense fp16 sums rounded values; see :func:`conserving`)."""
 
     indexed_output = True
     conserving = False
@@ -109,8 +110,8 @@ class AutoReducer(Reducer):
     # ------------------------------------------------------------------ residual: the candidate's or the carried one
     @property
     def residual(self) -> torch.Tensor | None:
-        carried = self.memory.residual
-        return carried if carried is not None or self._cand is None else self._cand.residual
+        carried, cand = self.memory.residual, self._cand
+        return carried if carried is not None or cand is None else cand.residual
 
     @residual.setter
     def residual(self, value) -> None:
@@ -150,22 +151,16 @@ class AutoReducer(Reducer):
         out = self._cand.reduce(x, indexed=True, donate=self.donated or x is not grad)
         self.memory.residual = None  # the candidate took it (a call that raised took nothing)
         ev = self._event({"event": "call", "candidate": self.choice, "total_s": float(self._cand.stats["total_s"])})
-        if self._fresh:
-            self._fresh -= 1
-        else:
+        if not self._fresh:  # rule 4: a run's warm-up and a candidate's set-up are not measurements
             self.window.append([ev["total_s"], -1.0 if gap is None else gap])
-        self.since_decision += 1
-        st = self._cand.stats
-        self.stats.update({k: st[k] for k in ("select_s", "comm_s", "selected", "intra_bytes", "inter_bytes",
-                                              "intra_bytes_received", "inter_bytes_received", "intra_rounds",
-                                              "inter_rounds", "sites") if k in st})
+        self._fresh, self.since_decision = max(0, self._fresh - 1), self.since_decision + 1
+        self.stats.update({k: v for k, v in self._cand.stats.items() if k in _PASSED_STATS})
         self.stats["auto"] = {"choice": self.choice, **({"decision": decision} if decision else {})}
         self._last_end = time.perf_counter()
         return out
 
     def _kept_local(self, grad: torch.Tensor, fresh: bool) -> list[float]:
-        """This rank's kept mass per density; while dense runs (no residual to measure) re-estimated
-        only for a periodic decision (``fresh``)."""
+        """This rank's kept mass per density; while dense runs only for a periodic decision (``fresh``)."""
         if not any(c.sparse for c in self.candidates):
             return [1.0 for _ in self.densities]
         dense_now = self.active is not None and not self.candidates[self.active].sparse
@@ -213,12 +208,7 @@ class AutoReducer(Reducer):
         """Rule 1: the median of its measured windows, else the model."""
         if self.measured.get(cand.spec):
             return statistics.median(self.measured[cand.spec])
-        per = self.cpu.get(cpu_key(cand))
-        if per is None:
-            prior = cpu_prior(cand, self.comm.device.type)
-            slow = [self.cpu[cpu_key(c)] / cpu_prior(c, self.comm.device.type) for c in self.candidates
-                    if c.reducer != "dense" and cpu_key(c) in self.cpu]
-            per = prior * (statistics.median(slow) if slow and cand.reducer != "dense" else 1.0)
+        per = cpu_per_element(cand, self.cpu, self.candidates, self.comm.device.type)
         return self.link.wire(cand, n, self.candidate_options) + per * n
 
     def _decide(self, n: int, gap: float, reason: str) -> dict:
@@ -247,11 +237,10 @@ class AutoReducer(Reducer):
         old, c = self._cand, self.candidates[i]
         if old is not None and old.residual is not None:
             self.memory.keep(self.memory.add(old.residual))
-        opts = dict(self.candidate_options.get(c.reducer, {}))
+        opts = {**self.candidate_options.get(c.reducer, {}), **({} if c.value_dtype == "fp32" else
+                                                                {"value_dtype": c.value_dtype})}
         if c.reducer == "hier":
             opts.update(outer=c.outer, sites=self.layout, **self.candidate_options.get(c.outer, {}))
-        if c.value_dtype != "fp32":
-            opts["value_dtype"] = c.value_dtype
         self._cand = make_reducer(c.reducer, self.comm, c.density, nonfinite=self.nonfinite, **opts)
         self._cand.step, self.active = self.step, i
         self._fresh = 1 if self.decisions else self.warmup
@@ -285,8 +274,7 @@ class AutoReducer(Reducer):
                              f"entries, got {getattr(carry, 'shape', type(carry).__name__)}")
         if d.get("candidate") is not None and a is None:
             raise ValueError("auto state: a candidate's state without an active candidate")
-        for key in ("since_decision", "fresh"):
-            v = d.get(key, 0)
+        for key, v in (("since_decision", d.get("since_decision", 0)), ("fresh", d.get("fresh", 0))):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"auto state: {key} must be an integer >= 0, got {v!r}")
 
@@ -309,7 +297,3 @@ class AutoReducer(Reducer):
         carry = d.get("carry")
         self.memory.residual = None if carry is None else carry.to(self.comm.device).clone()
         self._fresh, self._last_end = int(d.get("fresh", 0)), None
-
-    @classmethod
-    def predicted_cost(cls, P, n, k=None, value_bytes=4, index_bytes=4, **_):
-        return None  # depends on the choice made at run time
