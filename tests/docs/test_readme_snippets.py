@@ -18,7 +18,7 @@ BLOCKS = [b for doc in ("README.md", "docs/architecture.md")
 
 
 def test_readme_has_python_blocks():
-    assert len(BLOCKS) >= 5
+    assert len(BLOCKS) >= 4  # the quick start, the comm hook, DiLoCo and architecture.md's
 
 
 @pytest.mark.gloo

@@ -332,3 +332,27 @@ def test_default_outer_step_follows_the_inner_optimizer_family():
     cfg = TrainConfig(workload="gpt", reducer="dense", workers=2, local_steps={"sync_every": 8})
     validate(cfg)
     assert cfg.optimizer == "adamw" and (cfg.local_steps["outer_lr"], cfg.local_steps["outer_momentum"]) == (1.0, 0.0)
+
+
+def test_sparseloco_under_adam_sums_the_ranks_parts_by_default():
+    """With the sparseloco exchange under Adam / AdamW the default outer step is SGD at lr = world size,
+    no momentum (the sum of the ranks' sent parts); under SGD and with other reducers nothing changes."""
+    from sparsync.localsteps.outer import default_outer
+    from sparsync.train.config import TrainConfig
+    from sparsync.train.validation import validate
+
+    def outer(inner_cls, reducer):
+        def w(comm):
+            m = torch.nn.Linear(3, 2)
+            d = ss.DiLoCo(m, comm, inner_cls(m.parameters(), lr=0.1), sync_every=4, reducer=reducer, density=0.5)
+            return d.outer_lr, d.outer_momentum
+
+        return ss.run_local(w, 3, backend="thread")[0]
+
+    assert outer(torch.optim.AdamW, "sparseloco") == (3.0, 0.0)
+    assert outer(torch.optim.SGD, "sparseloco") == (0.7, 0.9)
+    assert outer(torch.optim.AdamW, "topka") == (1.0, 0.0)
+    assert default_outer("adam", "sparseloco", 8) == (8.0, 0.0) and default_outer("adamw", "dense", 8) == (1.0, 0.0)
+    cfg = TrainConfig(workload="gpt", reducer="sparseloco", workers=4, local_steps={"sync_every": 8})
+    validate(cfg)
+    assert (cfg.local_steps["outer_lr"], cfg.local_steps["outer_momentum"]) == (4.0, 0.0)

@@ -27,7 +27,8 @@ communication (``sync_every="auto"``: H chosen at every synchronisation from the
    convention of torchft's DiLoCo: the outer optimizer is an ordinary torch optimizer over the
    module's parameters). The default is DiLoCo's ``torch.optim.SGD(lr=0.7, momentum=0.9,
    nesterov=True)`` under an SGD inner optimizer and plain averaging (lr 1, no momentum) under Adam /
-   AdamW (``outer_lr`` / ``outer_momentum`` change it; ``outer_momentum=0``: plain SGD);
+   AdamW - with ``sparseloco`` there, lr = P: the sum of the ranks' sent parts (``outer_lr`` /
+   ``outer_momentum`` change it; ``outer_momentum=0``: plain SGD);
 4. the parameters it produced become the new shared parameters (copied into the flat buffers); the
    module keeps them as its parameters. The parameters' ``.grad`` are put back to what they were
    before the outer step (the inner optimizer's gradients, untouched).
@@ -142,8 +143,9 @@ class DiLoCo:
         outer_lr, outer_momentum: the default outer optimizer, ``torch.optim.SGD`` over the module's
             trainable parameters with ``nesterov=outer_momentum > 0``. Defaults by the inner optimizer:
             0.7 and 0.9 (the DiLoCo paper's) for SGD; 1 and 0 - plain averaging - for Adam / AdamW, where
-            outer momentum measurably diverges (:data:`~.outer.DEFAULT_OUTER`). Not together with
-            ``outer_optimizer``.
+            outer momentum measurably diverges (:data:`~.outer.DEFAULT_OUTER`); with
+            ``reducer="sparseloco"`` under Adam / AdamW, lr = world size and 0: the sum of the ranks' sent
+            parts, not their mean (:func:`~.outer.default_outer`). Not together with ``outer_optimizer``.
         outer_optimizer: any ``torch.optim.Optimizer`` whose param groups hold exactly the module's
             trainable parameters (checked before anything is set up), stepped once per outer
             synchronisation with the averaged pseudo-gradient as the parameters' ``.grad`` on the
@@ -180,6 +182,7 @@ class DiLoCo:
             raise ValueError(f"sync_every must be a positive integer or 'auto', got {sync_every!r}")
         if not auto and period_cost is not None:
             raise ValueError("period_cost applies to sync_every='auto' only")
+        self.comm = comm = _as_comm(comm, module)
         if outer_optimizer is not None:
             given = [k for k, v in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)) if v is not None]
             if given:
@@ -188,7 +191,7 @@ class DiLoCo:
             check_outer_optimizer(outer_optimizer, [p for p in module.parameters() if p.requires_grad],
                                    inner_optimizer)
         else:
-            lr0, mom0 = default_outer(type(inner_optimizer).__name__)  # by the inner optimizer's family
+            lr0, mom0 = default_outer(type(inner_optimizer).__name__, reducer, comm.world_size)
             outer_lr = lr0 if outer_lr is None else outer_lr
             outer_momentum = mom0 if outer_momentum is None else outer_momentum
             if not (float(outer_lr) > 0):
@@ -196,7 +199,6 @@ class DiLoCo:
             if not (0 <= float(outer_momentum) < 1):
                 raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         reducer_options = default_reducer_options(reducer, reducer_options)
-        self.comm = comm = _as_comm(comm, module)
         self.module = module
         self.inner_optimizer = inner_optimizer
         cost = default_period_cost(inner_optimizer) if period_cost is None else period_cost

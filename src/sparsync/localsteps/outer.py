@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_optimizer_state", "check_outer_optimizer", "default_outer", "nonneg_int", "outer_state_from_v1"]
+__all__ = ["SUMMED_OUTER", "check_optimizer_state", "check_outer_optimizer", "default_outer", "nonneg_int", "outer_state_from_v1"]
 
 #: the first state format (see :mod:`.diloco`)
 V1 = "sparsync-diloco/1"
@@ -21,12 +21,26 @@ V1 = "sparsync-diloco/1"
 #: above averaging at every H measured (H = 4: 2.29 vs 1.45 held-out loss; H = 8: 2.41 vs 1.59; H = 32 over
 #: 1200 steps: 1.77 vs 1.38), while averaging converges from H = 1 (synchronous SGD) to 32
 DEFAULT_OUTER = {"sgd": (0.7, 0.9), "adam": (1.0, 0.0)}
+#: reducers whose default outer step under Adam / AdamW applies the *sum* of the ranks' sent parts (SGD at lr =
+#: world size, no momentum) instead of their mean (see :func:`default_outer`)
+SUMMED_OUTER = frozenset({"sparseloco"})
 
 
-def default_outer(optimizer_name: str | None) -> tuple[float, float]:
+def default_outer(optimizer_name: str | None, reducer: str = "dense", world_size: int = 1) -> tuple[float, float]:
     """The default outer ``(lr, momentum)`` for an inner optimizer (a class or a ``--optimizer`` name):
-    :data:`DEFAULT_OUTER` of its family, Adam's for any name with "adam" in it."""
-    return DEFAULT_OUTER["adam" if optimizer_name and "adam" in optimizer_name.lower() else "sgd"]
+    :data:`DEFAULT_OUTER` of its family, Adam's for any name with "adam" in it.
+
+    Under Adam / AdamW with a reducer of :data:`SUMMED_OUTER` it is ``(world_size, 0)``: the outer step
+    applies the sum of the ranks' chunked top-k parts, not their mean. Each rank sends its own 1-2 % of its
+    pseudo-gradient, the ranks' selections overlap little, and the mean divides a coordinate that one rank
+    sent by the world size; with error feedback decayed below 1 the rest is mostly shed, not sent later
+    (SparseLoCo, Sarfi et al. 2025). On the gpt transformer (4 ranks, 1.56 %, 2-bit values, decay 0.95,
+    H = 16, 1200 steps) the mean ends at held-out loss 1.48, lr 2 at 1.26, the sum at 1.2, dense DiLoCo at
+    1.22."""
+    adam = bool(optimizer_name) and "adam" in optimizer_name.lower()
+    if adam and reducer in SUMMED_OUTER:
+        return float(world_size), 0.0
+    return DEFAULT_OUTER["adam" if adam else "sgd"]
 
 
 def check_outer_optimizer(opt, params: list[torch.Tensor], inner) -> None:

@@ -7,7 +7,8 @@ Two kinds of run (``TrainConfig.local_steps``, compare syntax in :mod:`sparsync.
 * any registered reducer with ``local_steps={"sync_every": H, ...}``: :class:`~.diloco.DiLoCo`
   with that reducer for the pseudo-gradient, options ``outer`` (the outer optimizer, :data:`OUTER_KINDS`:
   ``nesterov``, the default, ``sgd`` or ``adam``), ``outer_lr`` / ``outer_momentum`` (defaults by the
-  run's optimizer, :data:`~.outer.DEFAULT_OUTER`: 0.7 / 0.9 for SGD, 1 / 0 for Adam and AdamW; ``adam``
+  run's optimizer and reducer, :func:`~.outer.default_outer`: 0.7 / 0.9 for SGD, 1 / 0 for Adam and AdamW,
+  the world size / 0 for ``sparseloco`` under Adam and AdamW; ``adam``
   needs ``outer_lr``) and the run's reducer options; ``sync_every="auto"`` chooses H
   as it goes (:mod:`.period`, options ``period_cost`` and ``max_period``).
 
@@ -98,7 +99,7 @@ def check(cfg) -> None:
                          "(no SparseDDP: one flat pseudo-gradient per outer step)")
     if cfg.merge != "single":
         raise ValueError(f"DiLoCo reduces one flat pseudo-gradient; merge must be 'single', got {cfg.merge!r}")
-    lr0, mom0 = (None, 0.9) if kind == "adam" else default_outer(cfg.optimizer)
+    lr0, mom0 = (None, 0.9) if kind == "adam" else default_outer(cfg.optimizer, cfg.reducer, cfg.workers)
     for k, v in {**DILOCO_KEYS, "outer_lr": lr0, "outer_momentum": mom0}.items():
         if v is not None:
             ls.setdefault(k, v)
