@@ -17,9 +17,9 @@ def _time(config, train_time, compute):
 
 
 def _rows(sparse_loss=1.30, sparse_step_time=4.56):
-    conv = [_conv(BASE[0], 0, 760, 1.10, "ddp-fp16"), _conv(BASE[1], 1, 1000, 1.22, "ddp-localsgd16"),
+    conv = [_conv(BASE[0], 0, 760, 1.10, "ddp-fp16"), _conv(BASE[2], 1, 1000, 1.22, "ddp-localsgd16"),
             _conv(OURS[0], 2, 990, 1.21, "diloco-dense"), _conv(OURS[1], 3, 1010, sparse_loss, "diloco-sparseloco")]
-    timed = [_time(BASE[0], 48.0, None), _time(BASE[1], 9.6, None), _time(OURS[0], 9.0, 0.08),
+    timed = [_time(BASE[0], 48.0, None), _time(BASE[2], 9.6, None), _time(OURS[0], 9.0, 0.08),
              _time(OURS[1], sparse_step_time, 0.09)]
     return g.merged(conv, timed)
 
