@@ -52,7 +52,7 @@ import torch
 from ..recycle import recycled
 from ..select.topk import check_density
 from ..sparse import set_at
-from .memory import ErrorFeedback, cpu_copy, round_to_wire, sum_checked, sums_finite
+from .memory import ErrorFeedback, cpu_copy, nonfinite_sum_count, round_to_wire, sum_checked, sums_finite
 from .resume import load_reducer_state
 
 __all__ = ["Reducer", "IndexedSum", "CAPABILITIES", "NONFINITE_POLICIES", "VALUE_DTYPES", "check_capabilities"]
@@ -372,7 +372,7 @@ class Reducer:
         nan = int(torch.isnan(values).sum())
         inf = int(torch.isinf(values).sum())
         if nan == 0 and inf == 0 and residual is not None:
-            bad = int((~torch.isfinite(values + residual)).sum())
+            bad = nonfinite_sum_count(values, residual)
             raise FloatingPointError(
                 f"rank {self.comm.rank}: {self.name}.reduce: the error-feedback residual overflowed at step "
                 f"{self.step}: gradient + residual is Inf/NaN in {bad} of {values.numel()} entries although the "

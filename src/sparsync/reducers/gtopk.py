@@ -13,6 +13,8 @@ so no size header. Critical path: ``2 log2 P`` rounds and ``4 log2 P * k`` units
 Passes over the ``n`` entries per call (the rest is ``O(k log P)``): ``acc = grad + residual`` into a
 recycled buffer (:class:`~sparsync.reducers.memory.ErrorFeedback`), one read by the exact top-k
 kernel, one zero fill of the recycled output (:meth:`~sparsync.reducers.base.Reducer.zeros_output`).
+The residual is written by the memory only: ``take`` clears the ``k`` selected entries, ``put_back``
+returns ``O(k log P)`` of them (or of the dropped sums) after the broadcast.
 The global-set test of ``residuals="partial"`` goes through a persistent flag vector
 (:class:`~sparsync.sparse.IndexFlags`), the merges through one stable sort of ``2k`` entries
 (:func:`sparsync.sparse.coalesce_in_order`).
@@ -63,7 +65,7 @@ class GTopkReducer(Reducer):
         with self.timed("select"):
             acc = self.memory.add(grad)
             idx = select_topk(acc, k, self._scratch)
-            vals, _ = self.memory.take(acc, idx)  # acc is now the local residual
+            vals, _ = self.memory.take(acc, idx)  # the memory holds acc with idx cleared
             own_idx, own_vals = idx, vals
         self.stats["selected"] = k
         drops = []
@@ -95,11 +97,10 @@ class GTopkReducer(Reducer):
             if self.residuals == "partial":
                 # own selected values that did not make it into the global set go back
                 back = ~self._global_set.isin(own_idx, fi[0], self.numel)
-                add_at(acc, own_idx[back], own_vals[back])
+                self.memory.put_back(own_idx[back], own_vals[back])
             else:
                 for di, dv in drops:  # what this rank dropped at its merges (unique per merge)
-                    add_at(acc, di, dv)
-            self.memory.keep(acc)  # the local residual with the put-back
+                    self.memory.put_back(di, dv)
         return out
 
     @classmethod

@@ -45,7 +45,7 @@ import torch
 
 from ..sites import check_layout, site_layout
 from .base import VALUE_DTYPES, Reducer
-from .memory import cpu_copy
+from .memory import cpu_copy, placed
 from .registry import REDUCERS, make_reducer, register
 
 __all__ = ["HierReducer"]
@@ -109,13 +109,10 @@ class HierReducer(Reducer):
         """The outer residual at this rank's shard (zeros elsewhere) plus what this reducer's own memory
         holds: a residual assigned from outside, added to the next gradient."""
         res = None if self._outer is None else self._outer.residual
-        pending = self.memory.residual
         if res is None:
-            return pending
-        full = torch.zeros(self.numel, dtype=res.dtype, device=res.device) if pending is None else pending.clone()
+            return self.memory.residual
         lo, hi = self._shard_range()
-        full[lo:hi] += res[: hi - lo]
-        return full
+        return placed(res[: hi - lo], lo, self.numel, self.memory.residual)
 
     @residual.setter
     def residual(self, value) -> None:
@@ -151,9 +148,7 @@ class HierReducer(Reducer):
         if self._site is None:
             self._setup(n)
         site, s, m = self._site, self._site.world_size, self._m
-        pending = self.memory.residual  # assigned from outside: added once, then the outer memory keeps it
-        acc = grad if pending is None else grad + pending
-        self.memory.residual = None
+        acc = self.memory.drain(grad)  # a residual assigned from outside: added once, then the outer's memory has it
         if s * m != n:
             x = acc.new_zeros(s * m)
             x[:n] = acc

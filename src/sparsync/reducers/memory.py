@@ -10,8 +10,10 @@ calls it every step::
                                             #     pass, the input check fused in
     vals, sent = memory.take(acc, idx)      # what travels at idx; the residual keeps acc - sent there
     memory.keep(acc, idx, sent)             # or: the residual becomes acc minus what was sent at idx
-    memory.keep(acc)                        # or: the residual is acc as it is (nothing sent, or a
-                                            #     residual the reducer computed itself)
+    memory.keep(acc)                        # or: the residual is acc as it is (nothing sent)
+    memory.put_back(idx, vals)              # then, after a re-selection: residual[idx] += vals (taken
+                                            #     entries not sent in the end, received ones dropped here)
+    memory.hold(idx, vals)                  # or: residual[idx] = vals (what a collective left here)
 
 so that ``sum of inputs == sum of sent + residual`` holds every step, bitwise with fp32 values (with
 half-precision values on the wire the rounding error ``acc - float(sent)``, exact in fp32, stays in
@@ -19,7 +21,12 @@ the residual). The memory selects nothing and sends nothing (GRACE's split of co
 communicator: Xu et al., "GRACE: A Compressed Communication Framework for Distributed Machine
 Learning", ICDCS 2021); it is owned by the reducer because several collectives re-select or drop
 entries after the local selection (gTop-k's and Ok-Topk's put-back, SparDL's global residual
-collection), and only the reducer knows what was finally sent.
+collection), and only the reducer knows what was finally sent. The reducer therefore tells the memory
+what was sent and what came back, as indices and values (:meth:`ErrorFeedback.keep`,
+:meth:`~ErrorFeedback.put_back`, :meth:`~ErrorFeedback.hold`), and every write into a residual
+happens in this module: no reducer computes a residual itself (a test greps for it). Each of these
+calls costs ``O(len(idx))``, never a pass over the ``n`` entries; :meth:`ErrorFeedback.drain` (a
+residual assigned from outside, added once) costs one pass when there is one, none otherwise.
 
 Buffers, by the reducer's choice at construction (``in_place``):
 
@@ -50,9 +57,9 @@ from typing import Callable
 import torch
 
 from .. import native
-from ..sparse import set_at
+from ..sparse import add_at, set_at
 
-__all__ = ["ErrorFeedback", "check_decay", "sum_checked", "sums_finite", "cpu_copy"]
+__all__ = ["ErrorFeedback", "check_decay", "sum_checked", "sums_finite", "cpu_copy", "placed"]
 
 #: ``on_nonfinite(values, residual)``: raises for a non-finite input (``residual``: the memory whose
 #: sum with finite ``values`` overflowed, or None)
@@ -91,6 +98,11 @@ def sum_checked(out: torch.Tensor, grad: torch.Tensor, residual: torch.Tensor | 
     return out
 
 
+def nonfinite_sum_count(values: torch.Tensor, residual: torch.Tensor) -> int:
+    """How many entries of ``values + residual`` are not finite (an error message's count; one pass)."""
+    return int((~torch.isfinite(values + residual)).sum())
+
+
 def round_to_wire(vals: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
     """``vals`` as they travel: rounded to ``wire_dtype`` (fp16 saturates at +-65504), or unchanged
     (``None``, or already that dtype)."""
@@ -117,6 +129,15 @@ def check_decay(decay, who: str = "") -> float:
 def cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:
     """A detached CPU copy (for a state dict), or None."""
     return None if t is None else t.detach().cpu().clone()
+
+
+def placed(part: torch.Tensor, lo: int, numel: int, base: torch.Tensor | None = None) -> torch.Tensor:
+    """A residual of ``numel`` entries read as one vector: ``base`` (a copy; None: zeros) plus ``part``
+    added at ``lo`` (a reducer whose error feedback lives on a shard, with a residual assigned from
+    outside beside it). A new tensor: neither input changes."""
+    full = torch.zeros(numel, dtype=part.dtype, device=part.device) if base is None else base.clone()
+    full[lo:lo + part.numel()] += part
+    return full
 
 
 def _shares_storage(a: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -232,17 +253,42 @@ class ErrorFeedback:
         ``sent_vals`` (the values actually sent) when they are rounded: the entry keeps
         ``acc - float(sent)``, exact in fp32 (a value and its fp16/bf16 rounding are within a factor
         2 unless the rounding is 0 or saturated, and then the difference is a representable fp32),
-        so ``acc == residual + sent`` holds bitwise. Otherwise the sent entries are zeroed.
-        ``acc_vals``: ``acc`` at ``sent_idx`` when the caller gathered it already (``sent_idx``
-        unique). Takes ownership of ``acc`` (modified in place)."""
+        so ``acc == residual + sent`` holds bitwise. ``acc_vals``: ``acc`` at ``sent_idx`` when the
+        caller gathered it already (``sent_idx`` unique); given with ``sent_vals`` of ``acc``'s dtype
+        that are another tensor (a quantised value's decode, a sketch's estimate), the entry keeps
+        ``acc_vals - sent_vals``. Otherwise the sent entries are zeroed. ``O(len(sent_idx))``.
+        Takes ownership of ``acc`` (modified in place)."""
         if sent_idx is not None:
             idx = sent_idx.to(torch.int64)
-            if sent_vals is None or sent_vals.dtype == acc.dtype:
+            if sent_vals is None or sent_vals is acc_vals or (sent_vals.dtype == acc.dtype and acc_vals is None):
                 acc.index_fill_(0, idx, 0)
             else:
                 old = acc.index_select(0, idx) if acc_vals is None else acc_vals
                 set_at(acc, idx, old - sent_vals.to(acc.dtype))
         self._residual = acc
+
+    def put_back(self, idx: torch.Tensor, vals: torch.Tensor) -> None:
+        """``residual[idx] += vals`` (``idx`` unique, after :meth:`take` / :meth:`keep` this step): what a
+        re-selection returns to this rank - its own taken entries that the final set did not keep
+        (gTop-k's end-procedure put-back), or received sums it dropped at a merge (an in-procedure
+        store). ``O(len(idx))``."""
+        add_at(self._residual, idx, vals)
+
+    def hold(self, idx: torch.Tensor, vals: torch.Tensor) -> None:
+        """``residual[idx] = vals`` (``idx`` unique, after :meth:`keep` this step): what a collective
+        left with this rank at ``idx`` replaces the accumulator there (SparDL's in-procedure store on
+        the final index set). ``O(len(idx))``."""
+        set_at(self._residual, idx, vals)
+
+    def drain(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` plus a residual assigned from outside (:attr:`residual`), which is then empty: for a
+        reducer whose error feedback lives elsewhere (an inner reducer's memory) and whose own memory
+        only carries such a residual into the next input once. ``grad`` itself (no pass) when there
+        is none; else one pass, the bits of ``grad + residual``, unchecked (the inner reducer checks
+        what it accumulates)."""
+        res = self._residual
+        self.residual = None
+        return grad if res is None else grad + res
 
     # ------------------------------------------------------------------ fold
     def fold_target(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor | None:

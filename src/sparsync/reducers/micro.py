@@ -353,7 +353,7 @@ class MicroReducer(Reducer):
         with self.timed("update"):
             if K:  # memory.take left acc - sent in the residual
                 if sum_err is not None:  # and the owner keeps its half sums' rounding error
-                    acc.index_add_(0, lists[comm.rank], sum_err)
+                    self.memory.put_back(lists[comm.rank], sum_err)
             else:
                 vals = acc.new_zeros(0)
                 self.memory.keep(acc)  # nothing sent

@@ -151,8 +151,8 @@ class S2Reducer(BlockReducer):
             return super()._feedback(acc, idx)
         q_idx, own = self._own_query
         self._own_query = None
-        acc.index_add_(0, q_idx, own, alpha=-1)  # residual = acc - Q_U(own sketch)
-        self.memory.keep(acc)
+        # residual = acc - Q_U(own sketch) on the union's elements (unique)
+        self.memory.keep(acc, q_idx, own, acc_vals=acc.index_select(0, q_idx))
 
     # ------------------------------------------------------------------ state / cost
     def _config(self) -> dict:

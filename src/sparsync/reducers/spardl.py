@@ -15,9 +15,11 @@ One step on rank ``w`` (team ``j = w // q``, local rank ``r = w % q``, ``q = P/d
 
 Error feedback goes through the reducer's memory (:class:`~sparsync.reducers.memory.ErrorFeedback`),
 in its SparDL variant: ``memory.add(grad, padded=q*bs)`` writes ``A`` into one of its two alternating
-work buffers (the input check in that pass), the scheme turns ``A`` into the new residual in place,
-and ``memory.keep(residual)`` hands it back; a residual taken from ``r.residual`` is therefore
-overwritten two steps later.
+work buffers (the input check in that pass), the collectives use that buffer as their store ``R``
+in place, the work buffer restores ``A`` on the touched entries and names what the scheme keeps, and
+the memory writes the residual: ``memory.keep(A, sent)`` (PRES, LRES: own sent entries cleared) or
+``memory.keep(A)`` then ``memory.hold(I, R on I)`` (GRES), ``O(k)`` each; a residual taken from
+``r.residual`` is therefore overwritten two steps later.
 
 Passes over the ``n`` entries per call (everything else is ``O(k)``): ``A = grad + residual`` into
 one of two recycled work buffers, one read by the exact per-block top-k kernel (every block is
@@ -201,8 +203,10 @@ class SparDLReducer(Reducer):
             fval = torch.cat([p[1] for p in parts]).view(-1)
             out = self.zeros_output(q * bs, grad.dtype, grad.device)  # recycled: no page faults
             add_at(out, fpos, fval)
-            res = work.finish(self.residuals, fpos, self._final_set)
-            self.memory.keep(res[:n])  # the residual the scheme collected (global, partial or local)
+            pos, held = work.finish(self.residuals, fpos, n, self._final_set)  # A is A again; the scheme's part
+            self.memory.keep(A[:n], None if held is not None else pos)  # partial / local: own sent entries cleared
+            if held is not None:  # global: the in-procedure store on I
+                self.memory.hold(pos, held)
         self.stats["selected"] = q * kb
         self.stats["teams"] = self.label(d, kind)
         if self.auto_times:

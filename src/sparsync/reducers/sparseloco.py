@@ -36,7 +36,6 @@ import torch
 
 from ..select.chunked import chunked_topk, per_chunk_k, short_chunk_k
 from ..select.quantise import bits_for, check_value_bits, encode_message, payload_bytes, sum_messages
-from ..sparse import set_at
 from .base import Reducer
 from .memory import check_decay
 from .registry import register
@@ -78,8 +77,7 @@ class SparseLoCoReducer(Reducer):
             vals = acc.index_select(0, idx)
             local = torch.remainder(idx, self.chunk)
             msg, dec = encode_message(local, width, vals, bits)
-            set_at(acc, idx, vals - dec)  # the residual keeps what the decode did not carry
-            self.memory.keep(acc)
+            self.memory.keep(acc, idx, dec, acc_vals=vals)  # the residual keeps what the decode did not carry
         self.stats["selected"] = count = idx.numel()
         with self.timed("comm"):
             parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]

@@ -34,7 +34,7 @@ import torch
 from ..collectives.allgather import allgather
 from ..select.quantise import bits_for, check_value_bits, encode_message, payload_bytes, sum_messages
 from ..select.topk import topk_abs
-from ..sparse import SparseVec, set_at
+from ..sparse import SparseVec
 from .base import Reducer
 from .memory import check_decay
 from .registry import register
@@ -90,8 +90,7 @@ class TopkAReducer(Reducer):
             acc = self.memory.add(grad)
             idx, vals = topk_abs(acc, self.k, self.scratch)
             msg, dec = encode_message(idx, width, vals, bits)
-            set_at(acc, idx, vals - dec)  # the residual keeps the quantisation error
-            self.memory.keep(acc)
+            self.memory.keep(acc, idx, dec, acc_vals=vals)  # the residual keeps the quantisation error
         self.stats["selected"] = count = idx.numel()
         with self.timed("comm"):
             parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]

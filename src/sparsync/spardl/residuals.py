@@ -5,11 +5,12 @@ and is turned *in place* into the paper's in-procedure store ``R_w``: a block's 
 zeroed when it is sent (``R[b] = X[b]`` minus the sent part, Alg. 1 line 7), received entries are added
 into held blocks, R-SAG/B-SAG discards are added with their shares. Instead of keeping a second dense
 copy ``Gcopy = A`` (one more pass over ``n``), every in-place modification first saves the old values at
-the touched positions (sparse, O(k) per step); undoing them in reverse order restores ``A`` exactly
-where needed:
+the touched positions (sparse, O(k) per step); undoing them in reverse order restores ``A`` exactly.
+:meth:`WorkBuffer.finish` does that and names what each scheme keeps; the reducer's memory
+(:class:`~sparsync.reducers.memory.ErrorFeedback`) writes the residual ``xi`` from it:
 
 * ``global`` (GRES): ``xi = R`` on the final index set ``I``, ``A`` elsewhere — read ``R`` on ``I``,
-  restore every touched position, write ``R`` back on ``I`` (two O(k) index passes instead of a
+  restore every touched position, the memory holds ``R`` on ``I`` (two O(k) index passes instead of a
   membership test of every touched position in ``I``). Conserving:
   ``sum_w (G_w + xi_old) == g_sum + sum_w xi_new``.
 * ``partial`` (PRES, local + end-procedure): ``xi = A`` everywhere except own-selected positions in ``I``
@@ -55,8 +56,14 @@ class WorkBuffer:
         self._saved.append((pos, self.flat.index_select(0, pos)))
         add_at(self.flat, pos, vals.to(self.flat.dtype))
 
-    def finish(self, mode: str, final_pos: torch.Tensor, members: IndexFlags | None = None) -> torch.Tensor:
-        """The new residual (padded length) for ``mode``; ``final_pos`` = flat positions of ``I``.
+    def finish(self, mode: str, final_pos: torch.Tensor, n: int,
+               members: IndexFlags | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Undo this step's changes, so that the buffer holds ``A`` again, and say what ``mode`` keeps,
+        ``(idx, vals)``: ``vals`` None (``partial``, ``local``): ``idx`` are the own positions that were
+        sent (the memory clears them: ``memory.keep(A[:n], idx)``); else (``global``) ``R`` on ``I``,
+        what the procedure left here (``memory.keep(A[:n])``, then ``memory.hold(idx, vals)``).
+        ``final_pos`` = flat positions of ``I``; positions in the padding past ``n`` are left out.
+        ``O(k)``: the saved positions only.
 
         ``members``: an :class:`~sparsync.sparse.IndexFlags` the caller keeps across steps, for
         ``partial``'s O(k) membership test in ``I`` (a fresh one - one zero fill of the buffer's
@@ -69,11 +76,13 @@ class WorkBuffer:
         for pos, old in reversed(self._saved):
             set_at(X, pos, old)
         if mode == "global":  # A everywhere, R on I: no membership test needed
-            set_at(X, final_pos, kept)
-            return X
-        members = members or IndexFlags()
-        own = torch.cat(self._own) if self._own else final_pos[:0]
-        if mode == "partial":
-            own = own[members.isin(own, final_pos, X.numel())]
-        X.index_fill_(0, own, 0)
-        return X
+            pos = final_pos
+        else:
+            members = members or IndexFlags()
+            pos = torch.cat(self._own) if self._own else final_pos[:0]
+            if mode == "partial":
+                pos = pos[members.isin(pos, final_pos, X.numel())]
+        if X.numel() > n:  # the padding is no one's residual
+            inside = pos < n
+            pos, kept = pos[inside], (None if kept is None else kept[inside])
+        return pos, kept
