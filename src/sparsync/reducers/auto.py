@@ -15,11 +15,12 @@ by default dense, dense fp16 and ``sparse`` at ``densities`` x ``values`` (also 
 4. **Windows.** Every ``check_every`` calls the ranks share their window (its median, the maximum
    over ranks) once it holds ``check_every - 1`` measured calls; a run's first ``warmup`` calls and a
    new candidate's first call are not measured.
-5. **Re-time.** A window more than ``deviation`` off the active candidate's time re-checks the link;
-   moved more than 2x: probe, forget every time, decide. Else decide at the second window in a row
-   off the same way (or the first window of a candidate not measured yet); one window off changes nothing.
-6. **Periodic.** At the first window and every ``decide_every`` calls: re-check as in 5, forget the
-   other candidates' times, decide.
+5. **Re-time.** A window more than ``deviation`` off the active candidate's time re-checks the link
+   (one call per level), probed again if that moved 2x; a bandwidth moved 2x forgets every time and
+   decides. Else decide at the second window in a row off the same way (or at the first window of a
+   candidate not measured yet); one window off changes nothing.
+6. **Periodic.** At the first window and ``decide_every`` calls after the last decision: re-check as
+   in 5, forget the other candidates' times, decide.
 7. **Same on every rank.** Decisions read all-gathered values only; ties go to the earlier candidate.
 8. **Nothing lost.** A switch hands the old candidate's residual through auto's ``ErrorFeedback``
    into the new one's first input.
