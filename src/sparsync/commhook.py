@@ -5,6 +5,13 @@
 ``async_op``, the others on a FIFO communication thread; its own process group; per-parameter
 residuals across DDP's bucket rebuild; per-rank state and its gathered form for single-writer
 checkpoints). Also importable as ``sparsync.ddp_hook`` / ``sparsync.DDPHook`` / ``sparsync.ddp.*``.
+
+This module decides which reducers run on the hook's futures: only those that declare ``staged``
+(one collective per step), because a sparse reducer's later collectives depend on its earlier ones,
+and chained with ``then`` (as torch's PowerSGD hook chains its two all-reduces) they would be posted
+from the backend's completion thread while the autograd thread posts the next bucket's first one,
+in an order that differs between ranks, which gloo (pairing collectives by issue order) turns into
+a deadlock or wrong sums.
 """
 
 from __future__ import annotations

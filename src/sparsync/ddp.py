@@ -125,6 +125,7 @@ class SparseDDP(nn.Module):
         comm = as_comm(comm if comm is not None else process_group, module)
         self.module = module
         self.comm = comm
+        self._gather_state = False  # True inside gathered_state_dict: _extra_state holds every rank's state
         self.broadcast_buffers = bool(broadcast_buffers)
         self.find_unused_parameters = bool(find_unused_parameters)
         self.static_graph = bool(static_graph)
@@ -216,7 +217,7 @@ class SparseDDP(nn.Module):
     # any nn.Module). The engine state (plan, reducers' residuals/thresholds/controllers/steps,
     # the policy's state) is this module's *extra state*: key ``<prefix>_extra_state``.
     def get_extra_state(self) -> dict:
-        if getattr(self, "_gather_state", False):
+        if self._gather_state:
             return self.gathered_sparsync_state_dict()
         return self.sparsync_state_dict()
 
@@ -373,6 +374,6 @@ def _broadcast_tensors(tensors, comm, src=0):
 def _sparse_grad_params(module) -> set:
     ids = set()
     for m in module.modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and getattr(m, "sparse", False):
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
             ids.add(id(m.weight))
     return ids

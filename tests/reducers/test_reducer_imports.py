@@ -16,7 +16,7 @@ import sparsync.reducers as pkg
 from sparsync.reducers.registry import REDUCERS
 
 #: the package's modules that are not reducers: what every reducer may import
-NON_REDUCERS = {"__init__", "base", "registry", "memory", "blockbase", "resume"}
+NON_REDUCERS = {"__init__", "base", "registry", "memory", "blockbase", "resume", "capabilities"}
 
 PKG_DIR = Path(pkg.__file__).parent
 MODULES = sorted(p.stem for p in PKG_DIR.glob("*.py"))

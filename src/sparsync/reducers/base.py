@@ -20,8 +20,10 @@ transmitted with ``self.stats["selected"] = ...``; bytes, messages and rounds co
 Capabilities are declared, not discovered: every class attribute named in :data:`CAPABILITIES` is a
 ``bool`` with a default here, and :func:`check_capabilities` holds every registered class to it
 (``has_memory``, ``accepts_fold``, ``indexed_output``, ``sparse_input``, ``checks_input``,
-``conserving``, ``supports_value_dtype``, ``value_dtype_conserving``, ``reuse_buffers``). Callers
-(the overlap engine, the convergence policy) read them as attributes.
+``conserving``, ``supports_value_dtype``, ``value_dtype_conserving``, ``reuse_buffers``). They are
+facts of the class, never assigned on an instance; one that a constructor option decides is an
+:class:`~.capabilities.OptionFact` (the class reads the default instance's ``bool``, an instance its
+options' answer). Callers (the overlap engine, the convergence policy) read them as attributes.
 
 Non-finite input, one policy for every reducer: ``nonfinite="error"`` (default) makes :meth:`reduce`
 raise ``FloatingPointError`` naming the rank and step before anything is sent or absorbed into the
@@ -52,6 +54,7 @@ import torch
 from ..recycle import recycled
 from ..select.topk import check_density
 from ..sparse import set_at
+from .capabilities import CAPABILITIES, OptionFact, wire_conserves
 from .memory import ErrorFeedback, cpu_copy, nonfinite_sum_count, round_to_wire, sum_checked, sums_finite
 from .resume import load_reducer_state
 
@@ -61,9 +64,6 @@ NONFINITE_POLICIES = ("error", "ignore")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # codes for the set-up check
 #: ``value_dtype`` option -> dtype of the transmitted values (None: the gradient's own dtype)
 VALUE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-#: the declared capabilities of a reducer class: each a ``bool`` class attribute (defaults on :class:`Reducer`)
-CAPABILITIES = ("has_memory", "accepts_fold", "indexed_output", "sparse_input", "checks_input", "conserving",
-                "supports_value_dtype", "value_dtype_conserving", "reuse_buffers", "staged")
 
 
 class IndexedSum(NamedTuple):
@@ -91,18 +91,19 @@ class Reducer:
     #: into its first pass: :meth:`sum_checked`, the memory's ``add``): :meth:`reduce` then makes no
     #: check pass of its own
     checks_input = False
-    #: True when the conservation identity holds exactly (up to fp rounding) every step.
-    conserving = True
+    #: True when the conservation identity holds exactly (up to fp rounding) every step; an instance
+    #: with ``value_dtype`` fp16/bf16 and ``value_dtype_conserving`` False does not conserve.
+    conserving = OptionFact(True, wire_conserves)
     #: True for reducers whose wire carries values as ``value_dtype`` (fp16/bf16): the values are
     #: rounded before sending (:meth:`wire_values`), the rounding error stays in the residual, and the
     #: receivers sum in fp32, so conservation holds as before.
     supports_value_dtype = False
     #: False for reducers that sum the half-precision values themselves in a dense all-reduce
     #: (:meth:`allreduce_wire_values`): that sum rounds outside any residual, so an instance with
-    #: ``value_dtype`` fp16/bf16 reports ``conserving = False``.
+    #: ``value_dtype`` fp16/bf16 does not conserve (:func:`~.capabilities.wire_conserves`).
     value_dtype_conserving = True
     #: True: recycle gradient-sized buffers across steps (the dense output; with ``accepts_fold`` the
-    #: memory's accumulator too). Reducers with a ``reuse_buffers`` option set it before ``__init__``.
+    #: memory's accumulator too). Reducers with a ``reuse_buffers`` option declare an ``OptionFact``.
     reuse_buffers = True
 
     def __init__(self, comm, density: float = 0.01, value_dtype: str = "fp32", nonfinite: str = "error",
@@ -117,8 +118,6 @@ class Reducer:
             raise ValueError(f"reducer {self.name!r} does not support value_dtype={value_dtype!r} yet "
                              "(its wire or its summation is not half-precision aware; see docs/sparcml.md)")
         self.wire_dtype = VALUE_DTYPES[value_dtype]
-        if self.wire_dtype is not None and not self.value_dtype_conserving:
-            self.conserving = False
         self.comm = comm
         self.nonfinite = nonfinite
         self.density = check_density(density)

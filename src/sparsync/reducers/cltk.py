@@ -32,19 +32,20 @@ import torch
 from ..select.topk import topk_abs
 from ..sparse import index_dtype_for, set_at
 from .base import Reducer
+from .capabilities import OptionFact
 from .registry import register
 
 
 @register("cltk")
 class CLTKReducer(Reducer):
-    conserving = True
     accepts_fold = True
     checks_input = True
     supports_value_dtype = True  # values summed in half precision by the all-reduce: not conserving then
     value_dtype_conserving = False
+    reuse_buffers = OptionFact(True, lambda r: r._reuse_buffers)  # the option of that name
 
     def __init__(self, comm, density: float = 0.01, reuse_buffers: bool = True, **rest):
-        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
+        self._reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
 
     def _reduce(self, grad):

@@ -34,6 +34,7 @@ from ..spardl.teams import coalesce, pad_to
 from ..spardl.wire import pack, pair_bytes, unpack
 from ..sparse import IndexFlags, add_at
 from .base import Reducer
+from .capabilities import OptionFact
 from .registry import register
 from ..select.exact import topk_indices as select_topk
 
@@ -43,8 +44,7 @@ class GTopkReducer(Reducer):
     accepts_fold = True
     checks_input = True
     #: the default instance (``residuals="partial"``) is not conserving; ``residuals="global"`` is
-    #: (set per instance in ``__init__``)
-    conserving = False
+    conserving = OptionFact(False, lambda r: r.residuals == "global")
 
     def __init__(self, comm, density=0.01, residuals="partial", **rest):
         super().__init__(comm, density=density, **rest)
@@ -56,7 +56,6 @@ class GTopkReducer(Reducer):
         self.residuals = residuals
         self._scratch: dict = {}
         self._global_set = IndexFlags()
-        self.conserving = residuals == "global"
 
     def _reduce(self, grad):
         comm = self.comm

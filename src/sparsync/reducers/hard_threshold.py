@@ -35,6 +35,7 @@ from ..sparse import sum_in_rank_order
 from ..select.threshold import Workspace, check_threshold, initial_threshold, threshold_indices
 from ..sparse import HEADER_BYTES, SparseVec, decode, encode, sparse_is_smaller
 from .base import Reducer
+from .capabilities import OptionFact
 from .registry import register
 
 
@@ -44,10 +45,11 @@ class HardThresholdReducer(Reducer):
     accepts_fold = True
     checks_input = True
     supports_value_dtype = True  # half values on the wire, summed in fp32 (sum_in_rank_order)
+    reuse_buffers = OptionFact(True, lambda r: r._reuse_buffers)  # the option of that name
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  reuse_buffers: bool = True, **rest):
-        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
+        self._reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__
         super().__init__(comm, density=density, **rest)
         self.threshold = None if threshold is None else check_threshold(threshold)
         self._ws = Workspace()

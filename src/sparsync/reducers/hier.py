@@ -45,6 +45,7 @@ import torch
 
 from ..sites import check_layout, site_layout
 from .base import VALUE_DTYPES, Reducer
+from .capabilities import OptionFact
 from .memory import cpu_copy, placed
 from .registry import REDUCERS, make_reducer, register
 
@@ -52,6 +53,11 @@ __all__ = ["HierReducer"]
 
 INNER = ("dense",)
 _OWN = ("inner", "outer", "sites", "value_dtype", "nonfinite")
+
+
+def _outer_conserves(outer: str, value_dtype: str) -> bool:
+    cls = REDUCERS.lookup(outer)
+    return bool(cls.conserving) and (VALUE_DTYPES[value_dtype] is None or bool(cls.value_dtype_conserving))
 
 
 @register("hier")
@@ -63,6 +69,8 @@ class HierReducer(Reducer):
     """
 
     supports_value_dtype = True  # handed to the outer reducer, which refuses it if it cannot
+    #: the outer reducer class's fact for this ``value_dtype`` (the inner level is lossless)
+    conserving = OptionFact(True, lambda r: _outer_conserves(r.outer_name, r.outer_options["value_dtype"]))
 
     def __init__(self, comm, density: float = 0.01, inner: str = "dense", outer: str = "micro", sites=None,
                  value_dtype: str = "fp32", nonfinite: str = "error", **outer_options):
@@ -81,8 +89,6 @@ class HierReducer(Reducer):
         self.inner, self.outer_name = inner, outer
         self.outer_options = {"value_dtype": value_dtype, **outer_options}
         self.sites = None if sites is None else site_layout(comm.world_size, sites)
-        self.conserving = bool(outer_cls.conserving) and (VALUE_DTYPES[value_dtype] is None
-                                                          or outer_cls.value_dtype_conserving)
         self.layout: list[list[int]] | None = None
         self._outer: Reducer | None = None
         self._site = self._cross = None

@@ -60,6 +60,7 @@ from ..select.threshold import (
 )
 from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
+from .capabilities import OptionFact
 from .registry import register
 
 #: a density change between steps by more than this factor restarts the threshold window
@@ -98,11 +99,12 @@ def check_cap_factor(cap_factor):
 
 @register("micro")
 class MicroReducer(Reducer):
-    conserving = True
     accepts_fold = True  # the memory accumulates in place (reuse_buffers): a policy may fold into it
     checks_input = True  # the memory's add checks the input in its pass
     supports_value_dtype = True
-    value_dtype_conserving = True  # "owner" / "gather" keep every rounding; "allreduce" does not (set per instance)
+    #: "owner" / "gather" keep every rounding; "allreduce" does not (then ``conserving`` is False with fp16/bf16)
+    value_dtype_conserving = OptionFact(True, lambda r: r.values != "allreduce")
+    reuse_buffers = OptionFact(True, lambda r: r._reuse_buffers)  # the option of that name
     indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
@@ -115,8 +117,7 @@ class MicroReducer(Reducer):
         if values not in ("auto", "owner", "gather", "allreduce"):
             raise ValueError(f"micro: values must be 'auto', 'owner', 'gather' or 'allreduce', got {values!r}")
         self.values = values = value_path(values, comm.world_size)
-        self.value_dtype_conserving = values != "allreduce"  # read by Reducer.__init__
-        self.reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__ (the memory's form)
+        self._reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__ (the memory's form)
         super().__init__(comm, density=density, **rest)
         self.threshold0 = None if threshold is None else check_threshold(threshold)
         rules = ("histogram",) + ThresholdController.RULES

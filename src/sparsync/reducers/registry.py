@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..plugins import Registry
 from .base import check_capabilities
 
-REDUCERS = Registry(__package__, "reducer", skip=("base", "registry", "memory", "blockbase", "resume"))
+REDUCERS = Registry(__package__, "reducer", skip=("base", "registry", "memory", "blockbase", "resume", "capabilities"))
 
 
 def register(name: str):

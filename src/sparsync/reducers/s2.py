@@ -65,6 +65,7 @@ import torch
 from ..select.blocks import num_blocks
 from ..sketch import CountSketch, block_bitmap, block_elements, blocks_from_bitmap, sketch_columns
 from .blockbase import BlockReducer
+from .capabilities import OptionFact
 from .registry import register
 
 __all__ = ["S2Reducer"]
@@ -72,7 +73,7 @@ __all__ = ["S2Reducer"]
 
 @register("s2")
 class S2Reducer(BlockReducer):
-    conserving = False
+    conserving = OptionFact(False, lambda r: r.sketch_feedback)  # the sketch error kept only with feedback
 
     def __init__(self, comm, density: float = 0.01, rows: int = 1, columns: int | None = None,
                  ratio: float | None = None, block_size: int = 256, seed: int = 42,
@@ -95,7 +96,6 @@ class S2Reducer(BlockReducer):
         if self.sketch_feedback and self.rows != 1:
             raise ValueError("sketch_feedback needs rows=1: the median of several rows is not linear, so the "
                              "ranks' shares of the sketch error are not defined")
-        self.conserving = self.sketch_feedback
         self._sketches: dict = {}
         self._own_query = None
 

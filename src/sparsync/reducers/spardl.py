@@ -63,6 +63,7 @@ from ..spardl.teams import b_sag, r_sag
 from ..spardl.wire import pack, unpack
 from ..sparse import IndexFlags, add_at
 from .base import Reducer
+from .capabilities import OptionFact
 from .registry import register
 
 
@@ -104,6 +105,7 @@ def auto_candidates(P: int) -> list[tuple[int, str]]:
 @register("spardl")
 class SparDLReducer(Reducer):
     checks_input = True  # the finite check rides on the pass that writes grad + residual (sum_checked)
+    conserving = OptionFact(True, lambda r: r.residuals == "global")  # GRES only (the default)
 
     def __init__(self, comm, density=0.01, teams=1, team_allgather=None, residuals="global",
                  auto_steps=3, **rest):
@@ -112,7 +114,6 @@ class SparDLReducer(Reducer):
         if residuals not in RESIDUAL_MODES:
             raise ValueError(f"residuals must be one of {RESIDUAL_MODES}, got {residuals!r}")
         self.residuals = residuals
-        self.conserving = residuals == "global"
         self.auto = teams == "auto"
         self.auto_steps = int(auto_steps)
         if self.auto:

@@ -37,6 +37,7 @@ import torch
 from ..select.chunked import chunked_topk, per_chunk_k, short_chunk_k
 from ..select.quantise import bits_for, check_value_bits, encode_message, payload_bytes, sum_messages
 from .base import Reducer
+from .capabilities import OptionFact
 from .memory import check_decay
 from .registry import register
 
@@ -52,6 +53,9 @@ def selected_count(n: int, chunk: int, k: int) -> int:
 @register("sparseloco")
 class SparseLoCoReducer(Reducer):
     checks_input = True  # the memory's add checks the decayed sum
+    #: the undecayed identity, bit for bit, only without decay (which sheds mass by design) and with
+    #: 16 / 32-bit values (a table's means round in fp32): otherwise it holds as documented above
+    conserving = OptionFact(False, lambda r: r.ef_decay == 1.0 and r.value_bits >= 16)
 
     def __init__(self, comm, density: float = 64 / 4096, chunk: int = 4096, value_bits: int = 2,
                  ef_decay: float = 0.95, **rest):
@@ -62,9 +66,6 @@ class SparseLoCoReducer(Reducer):
         self.chunk, self.value_bits, self.ef_decay = int(chunk), value_bits, ef_decay
         self.k_chunk = per_chunk_k(self.density, self.chunk)
         self.memory.decay = self.ef_decay
-        # the undecayed identity, bit for bit, only without decay (which sheds mass by design) and with
-        # 16 / 32-bit values (a table's means round in fp32): otherwise it holds as documented above
-        self.conserving = self.ef_decay == 1.0 and self.value_bits >= 16
 
     def _width(self, n: int) -> int:
         return bits_for(min(self.chunk, n))

@@ -36,6 +36,7 @@ from ..select.quantise import bits_for, check_value_bits, encode_message, payloa
 from ..select.topk import topk_abs
 from ..sparse import SparseVec
 from .base import Reducer
+from .capabilities import OptionFact, wire_conserves
 from .memory import check_decay
 from .registry import register
 
@@ -45,6 +46,8 @@ class TopkAReducer(Reducer):
     accepts_fold = True
     checks_input = True
     supports_value_dtype = True  # half values on the wire, summed in fp32 by the allgather collective
+    #: not with decay (it sheds mass by design) nor packed values (a table's means round in fp32)
+    conserving = OptionFact(True, lambda r: r.ef_decay == 1.0 and not r.packed and wire_conserves(r))
 
     def __init__(self, comm, density: float = 0.01, value_bits: int | None = None, ef_decay: float = 1.0, **rest):
         if value_bits is not None:
@@ -55,8 +58,6 @@ class TopkAReducer(Reducer):
         self.value_bits, self.ef_decay = value_bits, ef_decay
         self.memory.decay = ef_decay
         self.packed = value_bits is not None and value_bits < 16  # codes and a table: the packed message
-        if ef_decay != 1.0 or self.packed:
-            self.conserving = False
 
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, value_bits=None, **_):
