@@ -166,9 +166,10 @@ def test_penalty_and_candidates():
     assert not any(c.reducer == "hier" for c in r.candidates)  # one site
     h = make_reducer("auto", comm, sites="2x2")
     assert any(c.spec == "hier:micro:0.01:fp16" for c in h.candidates)
-    assert all(conserving(c) for c in make_reducer("auto", comm, candidates="dense,micro:0.01").candidates)
+    assert make_reducer("auto", comm, candidates="dense,micro:0.01").conserving  # the rule on its candidates
+    assert not make_reducer("auto", comm, candidates="dense").indexed_output and r.indexed_output
     r = make_reducer("auto", comm, values="fp32", densities="0.02/0.1")  # CLI spellings
-    assert [c.spec for c in r.candidates] == ["dense", "micro:0.02", "micro:0.1"]
+    assert [c.spec for c in r.candidates] == ["dense", "micro:0.02", "micro:0.1"] and r.conserving
 
 
 @pytest.mark.parametrize("opts,match", [

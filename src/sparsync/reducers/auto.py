@@ -43,7 +43,8 @@ from ..autotune.kept import PENALTY, KeptMass, penalty_factor
 from ..autotune.link import LINK_MOVED, Link, cpu_key, cpu_per_element, max_and_mean
 from ..sites import site_layout
 from .base import Reducer
-from .registry import make_reducer, register
+from .capabilities import OptionFact
+from .registry import REDUCERS, make_reducer, register
 
 __all__ = ["AutoReducer", "Candidate", "parse_candidate", "penalty_factor", "PENALTY", "conserving"]
 
@@ -61,11 +62,11 @@ def _side(t: float, ref: float, factor: float) -> int:
 
 @register("auto")
 class AutoReducer(Reducer):
-    """See the module docstring. Capabilities are the class's: ``indexed_output`` (a sparse candidate's
-    :class:`~.base.IndexedSum`), not ``conserving`` (dense fp16 sums rounded values; see :func:`conserving`)."""
+    """See the module docstring. ``indexed_output`` (a candidate's :class:`~.base.IndexedSum`) and ``conserving``
+    are rules on the candidates; the class reads the default set's (dense fp16 sums rounded values)."""
 
-    indexed_output = True
-    conserving = False
+    indexed_output = OptionFact(True, lambda r: any(REDUCERS.lookup(c.reducer).indexed_output for c in r.candidates))
+    conserving = OptionFact(False, lambda r: all(conserving(c) for c in r.candidates))
 
     def __init__(self, comm, density: float = 0.01, candidates=None, sparse: str = "micro",
                  densities=(0.01, 0.02, 0.05), values=("fp32", "fp16"), sites=None, decide_every: int = 50,
@@ -99,8 +100,7 @@ class AutoReducer(Reducer):
         self.probe = bool(probe) and link is None
         self.link = Link(comm, self.layout, probe_repeats, link, hook=self._event)
         self.kept = KeptMass(self.densities, sample)
-        # auto's memory holds only the residual carried across a switch (rule 8)
-        self.memory.on_nonfinite = None if nonfinite == "ignore" else self._carry_overflowed
+        self.memory.on_nonfinite = None if nonfinite == "ignore" else self._carry_overflowed  # rule 8's carry only
         self.cpu: dict[str, float] = {}      # measured CPU seconds per element, per cpu_key
         self.measured: dict[str, list[float]] = {}  # window times per candidate (rule 1)
         self.pending: float | None = None    # the active candidate's last window, off and not confirmed
