@@ -152,3 +152,34 @@ def test_the_grep_sees_each_form(tmp_path):
     assert [h.split(": ")[1] for h in hits] == [
         "arithmetic on a residual", "add_at into a residual", "in-place op on a residual",
         "item assignment into a residual", "memory.keep of a residual computed outside the memory"], hits
+
+
+def test_what_the_reducer_hands_back_keeps_inputs_equal_to_sent_plus_residual():
+    """``put_back``, ``hold``, ``keep`` with a decode and ``drain``: the residual the memory writes,
+    bit for bit."""
+    import torch
+
+    from sparsync.reducers.memory import ErrorFeedback
+
+    g = torch.linspace(-3, 3, 11)
+    m = ErrorFeedback()
+    acc = m.add(g)
+    idx = torch.tensor([1, 4, 9])
+    vals, sent = m.take(acc, idx)
+    m.put_back(idx[:2], vals[:2])  # two of the three were not sent in the end
+    assert torch.equal(m.residual + torch.zeros(11).index_put_((idx[2:],), sent[2:]), g)
+    m.hold(torch.tensor([0]), torch.tensor([7.0]))  # what a collective left here
+    assert float(m.residual[0]) == 7.0
+
+    m = ErrorFeedback()
+    acc = m.add(g)
+    dec = torch.tensor([-2.5, 0.5])  # a quantised value's decode
+    idx = torch.tensor([0, 6])
+    old = acc.index_select(0, idx)
+    m.keep(acc, idx, dec, acc_vals=old)
+    assert torch.equal(m.residual.index_select(0, idx), old - dec)
+
+    m = ErrorFeedback()
+    assert m.drain(g) is g  # nothing pending: no pass
+    m.residual = torch.ones(11)
+    assert torch.equal(m.drain(g), g + 1) and m.residual is None
