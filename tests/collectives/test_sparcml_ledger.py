@@ -185,12 +185,13 @@ def test_auto_same_choice_on_all_ranks(alpha, beta, expect):
 
 @pytest.mark.gloo
 def test_auto_calibrates_on_gloo():
-    from sparsync.collectives.auto import calibrate
+    from sparsync.collectives.auto import AutoState, calibrate
 
     def fn(comm):
-        cal = calibrate(comm)
+        st = AutoState()
+        cal = calibrate(comm, state=st)
         snap = comm.ledger.snapshot()
-        cal2 = calibrate(comm)  # cached: no traffic at all
+        cal2 = calibrate(comm, state=st)  # kept in the state: no traffic at all
         sv = make_sparse("random", comm.rank, 3, 5000, 0.01, 0)
         info = {}
         ss.sparse_allreduce(sv, comm, "auto", check=False, report=info)
@@ -274,6 +275,19 @@ def test_auto_state_is_explicit():
 
     assert not any(isinstance(v, dict) and not k.isupper() for k, v in vars(auto_mod).items()
                    if not k.startswith("__"))  # no module-level cache
+
+    def fn(comm):  # nor one on the comm: without state= a call's state is its own
+        before = set(vars(comm))
+        sv = make_sparse("random", comm.rank, comm.world_size, 4000, 0.01, 0)
+        ss.sparse_allreduce(sv, comm, "auto", check=False)
+        ss.sparse_allreduce_dense(sv, comm, "auto", check=False)
+        auto_mod.calibrate(comm)
+        return {k for k in set(vars(comm)) - before if isinstance(vars(comm)[k], auto_mod.AutoState)}
+
+    assert ss.run_local(fn, 3) == [set()] * 3
+    with pytest.raises(TypeError, match="AutoState"):
+        ss.run_local(lambda c: ss.sparse_allreduce(make_sparse("random", c.rank, 2, 100, 0.1, 0), c, "auto",
+                                                   state={}), 2)
     with pytest.raises(ValueError, match="trials"):
         auto_mod.AutoState(trials=0)
     # the plain all-gather is a candidate of the model too, and auto_cost prices it

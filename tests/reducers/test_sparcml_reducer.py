@@ -69,3 +69,19 @@ def test_dense_below_and_bad_options():
         ss.make_reducer("sparcml", comm, algorithm="nope")
     with pytest.raises(TypeError, match="unknown options"):
         ss.make_reducer("sparcml", comm, bogus=1)
+
+
+def test_auto_state_is_the_reducers_own():
+    """``algorithm="auto"``: the calibration lives in the reducer's AutoState, none on the comm."""
+    from sparsync.collectives.auto import AutoState
+
+    def fn(comm):
+        before = set(vars(comm))
+        r = ss.make_reducer("sparcml", comm, density=0.02)
+        r.reduce(torch.randn(4000, generator=torch.Generator().manual_seed(comm.rank)))
+        stashed = [k for k in set(vars(comm)) - before if isinstance(vars(comm)[k], AutoState)]
+        fixed = ss.make_reducer("sparcml", comm, density=0.02, algorithm="ssar_rec_dbl")
+        return isinstance(r.auto_state, AutoState) and r.auto_state.calibration is not None, stashed, \
+            fixed.auto_state
+
+    assert ss.run_local(fn, 3) == [(True, [], None)] * 3

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..collectives.auto import AutoState
 from ..sparse import SparseVec
 from .patterns import ALTERNATING, make_sparse
 from .reducers import BASELINES, collective_fn, digest, summarize
@@ -65,7 +66,7 @@ def _as_dense(x):
 
 
 def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, check=True, label="",
-                     progress=True, dense=False) -> list[dict]:
+                     progress=True, dense=False, auto_state=None) -> list[dict]:
     """Run every ``(numel, density, pattern)`` in ``configs`` for every algorithm on this rank.
 
     Returns one record per (config, algorithm, timed step) plus one ``kind="check"`` record per
@@ -75,8 +76,11 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
     Alternating patterns (``heavy_tail``) build both inputs before the clock starts and use input
     ``step % 2`` at timed step ``step`` (the check runs on input 0). ``dense=True``: every algorithm's
     result is made dense inside the timed call (:func:`~sparsync.bench.reducers.collective_fn`).
+    ``auto`` keeps its calibration and measured choices in ``auto_state`` (an
+    :class:`~sparsync.collectives.auto.AutoState`; default: a fresh one for this call's configs).
     """
     P, rank = comm.world_size, comm.rank
+    auto_opts = {"state": auto_state if auto_state is not None else AutoState()}
     records: list[dict] = []
     for numel, density, pattern in configs:
         numel = int(numel)
@@ -91,7 +95,8 @@ def allreduce_worker(comm, configs, algorithms, repeats=5, warmup=1, seed=0, che
         calls, live = {}, []
         for a in algorithms:
             try:
-                calls[a] = [collective_fn(comm, a, sv, dense=dense) for sv in svs]
+                calls[a] = [collective_fn(comm, a, sv, dense=dense, **(auto_opts if a == "auto" else {}))
+                            for sv in svs]
                 live.append(a)
             except Exception as e:  # noqa: BLE001
                 records.append(dict(key, algorithm=a, kind="error", error=f"{type(e).__name__}: {e}"))

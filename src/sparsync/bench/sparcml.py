@@ -29,18 +29,18 @@ DEFAULT_ALGOS = ["dense", "torch_sparse", "ssar_rec_dbl", "ssar_split_allgather"
 def sparcml_worker(comm, configs, algorithms, repeats, warmup, seed, label):
     import torch
 
-    from ..collectives.auto import calibrate, choose, state_of
+    from ..collectives.auto import AutoState, calibrate, choose
     from ..select.topk import k_for_density
 
     recs = []
+    st = AutoState()  # auto's calibration and measured choices, for every config of this worker
     for cfg in configs:
-        recs += allreduce_worker(comm, [cfg], algorithms, repeats, warmup, seed, True, label, True)
+        recs += allreduce_worker(comm, [cfg], algorithms, repeats, warmup, seed, True, label, True, auto_state=st)
         if "auto" in algorithms:
-            a, b, gs, gd = calibrate(comm)
+            a, b, gs, gd = calibrate(comm, state=st)
             # what auto ran: every pattern gives every rank k items, so auto's k is this one; the choice it
             # measured on its first call of this shape, else the model's
             k = k_for_density(cfg[0], cfg[1])
-            st = state_of(comm)
             pick = st.choices.get(st.key(cfg[0], k, torch.float32)) or choose(
                 comm.world_size, cfg[0], k, a, b, gamma_sparse=gs, gamma_dense=gd)
             recs.append({"numel": cfg[0], "density": cfg[1], "pattern": cfg[2], "algorithm": "auto",

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..collectives import load_all as load_collectives
+from ..collectives.auto import AutoState
 from ..recycle import fill_zero
 from ..reducers import make_reducer
 from ..sparse import SparseVec
@@ -144,7 +145,9 @@ def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None 
     :func:`plain_allgather`: ``"plain_allgather"`` (int32 indices, one all-gather, one
     ``index_add_``, a fresh zero vector per call), ``"plain_allgather_reuse"`` (the same into one
     zero-filled vector kept across calls) and ``"plain_allgather_int64"`` (the weaker form: int64
-    indices and values in two all-gathers, one ``index_add_`` per rank).
+    indices and values in two all-gathers, one ``index_add_`` per rank). ``auto`` without a
+    ``state=`` option gets one :class:`~sparsync.collectives.auto.AutoState` that every call of
+    the callable shares (calibrated and measured once, as a training loop's calls are).
     """
     if algorithm in BASELINES and options:
         raise TypeError(f"the {algorithm} baseline takes no options, got {', '.join(sorted(options))}")
@@ -159,6 +162,8 @@ def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None 
     algos = load_collectives()
     if algorithm not in algos:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(BASELINES)}, {', '.join(sorted(algos))}")
+    if algorithm == "auto" and options.get("state") is None:
+        options["state"] = AutoState()
     if dense:
         from ..collectives.registry import dense_sum
 
@@ -235,9 +240,12 @@ def time_collective(comm, algorithm: str, sv, steps: int = 5, warmup: int = 2,
     :func:`collective_fn` (``"dense"``: ``comm.allreduce`` of a dense vector of ``sv.numel`` - or
     ``numel`` - elements). ``sv``: a SparseVec, or a list of them used in turn (step ``i`` runs
     input ``i % len``: the heavy-tailed workload's alternated inputs). With ``check=True`` the last step's record
-    carries ``digest`` (hash of the output bytes) and ``out_nnz``.
+    carries ``digest`` (hash of the output bytes) and ``out_nnz``. ``auto``: one
+    :class:`~sparsync.collectives.auto.AutoState` for every input (``state=``, else a fresh one).
     """
     svs = sv if isinstance(sv, (list, tuple)) else [sv]
+    if algorithm == "auto" and options.get("state") is None:
+        options["state"] = AutoState()
     calls = [collective_fn(comm, algorithm, x, numel=numel, **options) for x in svs]
     step_no = 0
     snap = None

@@ -33,16 +33,17 @@ rank's time) for every later call of that shape. All ranks decide on the same ma
 so they pick the same algorithm. The first call of a shape therefore runs ``trials * candidates + 1``
 all-reduces; ``tune=False`` keeps the model's pick.
 
-State (:class:`AutoState`): the calibration and the measured choices of one communicator, kept on
-the comm object unless the caller passes its own (``state=``); nothing is kept at module level.
-Calibration (once per state): ranks 0 and 1 ping-pong 8 B and 4 MiB messages (min of 5 round
-trips), ``beta = (t_big - t_small) / (2 (4 MiB - 8 B))``, ``alpha = t_small/2 - 8 B * beta``,
-broadcast from rank 0; every rank at the same time times a sparse merge of 2 x 2^16 items and a
-dense add of 2^22 elements (so an oversubscribed host is measured as such), and the maximum over
-ranks gives ``gamma_sparse``/``gamma_dense``. A caller that wants to know which algorithm ran passes
-a dict as the option ``report`` (``ss.sparse_allreduce(sv, comm, "auto", report=info)`` ->
-``info["algorithm"]``, and ``info["timings"]`` when this call measured); the choice also shows in
-the ledger, whose phases nest under ``auto/<algorithm>``.
+State (:class:`AutoState`): the calibration and the measured choices of one communicator, owned by
+the caller and passed as ``state=``; a call without one makes a fresh state for itself (so it
+calibrates and measures every time: a caller that calls more than once passes its own). Nothing is
+kept on the comm object or at module level. Calibration (once per state): ranks 0 and 1 ping-pong
+8 B and 4 MiB messages (min of 5 round trips), ``beta = (t_big - t_small) / (2 (4 MiB - 8 B))``,
+``alpha = t_small/2 - 8 B * beta``, broadcast from rank 0; every rank at the same time times a
+sparse merge of 2 x 2^16 items and a dense add of 2^22 elements (so an oversubscribed host is
+measured as such), and the maximum over ranks gives ``gamma_sparse``/``gamma_dense``. A caller that
+wants to know which algorithm ran passes a dict as the option ``report`` (``ss.sparse_allreduce(sv,
+comm, "auto", report=info)`` -> ``info["algorithm"]``, and ``info["timings"]`` when this call
+measured); the choice also shows in the ledger, whose phases nest under ``auto/<algorithm>``.
 """
 
 from __future__ import annotations
@@ -98,16 +99,13 @@ class AutoState:
         return int(numel), max(int(k), 1).bit_length(), str(dtype), bool(dense), int(group_size)
 
 
-def state_of(comm, state: AutoState | None = None) -> AutoState:
-    """``state``, or the :class:`AutoState` kept on ``comm`` (made on first use)."""
-    if state is not None:
-        if not isinstance(state, AutoState):
-            raise TypeError(f"auto: state must be an AutoState, got {type(state).__name__}")
-        return state
-    st = comm.__dict__.get("_auto_state")
-    if st is None:
-        st = comm.__dict__["_auto_state"] = AutoState()
-    return st
+def _state(state: AutoState | None) -> AutoState:
+    """``state``, or a fresh :class:`AutoState` for this call alone."""
+    if state is None:
+        return AutoState()
+    if not isinstance(state, AutoState):
+        raise TypeError(f"auto: state must be an AutoState, got {type(state).__name__}")
+    return state
 
 
 def _virtual_network(comm) -> bool:
@@ -119,10 +117,10 @@ def calibrate(comm, reps: int = 5, big_bytes: int = _BIG_BYTES,
               force: bool = False, state: AutoState | None = None) -> tuple[float, float, float, float]:
     """(alpha [s], beta [s/byte], gamma_sparse [s/item], gamma_dense [s/element]) of this comm.
 
-    Measured once per :class:`AutoState` (``state``, or the one kept on ``comm``) and kept there
-    (see the module docstring).
+    Measured once per :class:`AutoState` ``state`` and kept there (module docstring); without
+    ``state``, measured on every call.
     """
-    st = state_of(comm, state)
+    st = _state(state)
     if not force and st.calibration is not None:
         return st.calibration
     world = getattr(comm, "world", None)
@@ -229,7 +227,9 @@ def auto(sv: SparseVec, comm, alpha: float | None = None, beta: float | None = N
          report: dict | None = None, state: AutoState | None = None, tune: bool | None = None,
          dense: bool = False, out: torch.Tensor | None = None, out_zeroed: bool = True, **_):
     """The exact sum by the candidate picked for this call (module docstring): a payload, or with
-    ``dense=True`` the dense sum in ``out`` (any content when ``out_zeroed=False``)."""
+    ``dense=True`` the dense sum in ``out`` (any content when ``out_zeroed=False``). ``state``: the
+    caller's :class:`AutoState`, where the calibration and measured choices are kept across calls
+    (without one, this call's own fresh state)."""
     name, timings = "ssar_rec_dbl", None
     if comm.world_size > 1:
         name, timings = _pick(sv, comm, alpha, beta, group_size, gamma_sparse, gamma_dense, k, state, tune,
@@ -270,7 +270,7 @@ def _pick(sv, comm, alpha, beta, group_size, gamma_sparse, gamma_dense, k, state
     """``(candidate, timings or None)`` for this call: the model's pick with calibrated (or given)
     constants, ``k`` = the largest count over ranks; on a real backend without given constants, the
     measured fastest of the plausible candidates for this shape (timed now on a new shape)."""
-    st = state_of(comm, state)
+    st = _state(state)
     given = (alpha, beta, gamma_sparse, gamma_dense)
     if alpha is not None and beta is not None:
         cal = (alpha, beta, gamma_sparse or 0.0, gamma_dense or 0.0)

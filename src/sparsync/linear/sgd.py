@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..collectives.auto import AutoState
 from ..collectives.registry import load_all
 from ..ps import apply_update, ps_allreduce
 from .batching import batches, straggle, worker_slice
@@ -49,7 +50,9 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
           lr: float = 0.5, l2: float = 0.0, algorithm: str = "auto", seed: int = 0, test_ds=None,
           dtype=torch.float32, log=None, straggler_ms: float = 0.0, **algo_options) -> dict:
     """Train on ``comm``'s ranks; returns ``{"w", "history"}`` (identical ``w`` on every rank).
-    ``straggler_ms``: one random worker per step sleeps that long (:func:`.batching.straggle`)."""
+    ``straggler_ms``: one random worker per step sleeps that long (:func:`.batching.straggle`).
+    ``algorithm="auto"`` keeps one :class:`~sparsync.collectives.auto.AutoState` for the whole run
+    (the option ``state=``, else a fresh one)."""
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     algos = dict(load_all())
@@ -63,6 +66,8 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
     if algorithm == "ps-async":
         return train_ps_async(comm, train_ds, model, epochs, global_batch, lr, l2, seed, test_ds, dtype, log,
                               straggler_ms=straggler_ms, **algo_options)
+    if algorithm == "auto" and algo_options.get("state") is None:
+        algo_options["state"] = AutoState()  # calibrated and measured once, for every step
     N = train_ds.n_features
     w = torch.zeros(N, dtype=dtype)
     history = []

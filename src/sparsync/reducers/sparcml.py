@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import warnings
 
+from ..collectives.auto import AutoState
 from ..collectives.registry import COSTS, load_all
 from ..select.approx import approx_topk, approx_topk_at_most, bucketed_sample, bucketed_topk, make_generator
 from ..select.topk import topk_abs
@@ -59,6 +60,7 @@ class SparCMLReducer(Reducer):
         self.group_size = int(group_size)
         self.seed = int(seed)
         self.dense_below = int(dense_below)
+        self.auto_state = AutoState() if algorithm == "auto" else None  # auto's calibration and choices
         self.generator = make_generator(self.seed * 1_000_003 + comm.rank, comm.device)
 
     def _select(self, acc):
@@ -94,6 +96,8 @@ class SparCMLReducer(Reducer):
         if self.algorithm == "auto" and self.selection in ("topk", "bucketed", "bucketed_topk"):
             # fixed-size selections: every rank sends the same count, known without asking the others
             opts["k"] = idx.numel()
+        if self.auto_state is not None:
+            opts["state"] = self.auto_state
         info = {}
         with self.timed("comm"):
             out = load_all()[self.algorithm](SparseVec(idx, vals, self.numel, check=False), self.comm,
