@@ -7,20 +7,21 @@ BASE, OURS = g.BASELINE_ROWS, g.SPARSYNC_ROWS
 
 
 def _conv(config, index, steps, loss, reducer):
-    return {"config": config, "label": config, "config_index": index, "steps_to_target": steps,
+    # a run's "config" is its run name (e.g. "ddp-fp16-single"), not the configuration string
+    return {"config": f"run-{index}", "label": config, "config_index": index, "steps_to_target": steps,
             "final_test_loss": loss, "reducer": reducer, "mean_bytes_sent": 1e6}
 
 
-def _time(config, train_time, compute):
-    return {"config": config, "train_time_s": train_time, "steps_run": 48, "steps": 48, "round": 0,
+def _time(index, train_time, compute):
+    return {"config": f"run-{index}", "train_time_s": train_time, "steps_run": 48, "steps": 48, "round": 0,
             "median_compute_s": compute, "allreduce_s": 1.6}
 
 
 def _rows(sparse_loss=1.30, sparse_step_time=4.56):
-    conv = [_conv(BASE[0], 0, 760, 1.10, "ddp-fp16"), _conv(BASE[2], 1, 1000, 1.22, "ddp-localsgd16"),
-            _conv(OURS[0], 2, 990, 1.21, "diloco-dense"), _conv(OURS[1], 3, 1010, sparse_loss, "diloco-sparseloco")]
-    timed = [_time(BASE[0], 48.0, None), _time(BASE[2], 9.6, None), _time(OURS[0], 9.0, 0.08),
-             _time(OURS[1], sparse_step_time, 0.09)]
+    n = len(BASE)
+    conv = [_conv(BASE[0], 0, 760, 1.10, "ddp-fp16"), _conv(BASE[2], 2, 1000, 1.22, "ddp-localsgd16"),
+            _conv(OURS[0], n, 990, 1.21, "diloco-dense"), _conv(OURS[1], n + 1, 1010, sparse_loss, "diloco-sparseloco")]
+    timed = [_time(0, 48.0, None), _time(2, 9.6, None), _time(n, 9.0, 0.08), _time(n + 1, sparse_step_time, 0.09)]
     return g.merged(conv, timed)
 
 

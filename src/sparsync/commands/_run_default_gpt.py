@@ -104,7 +104,8 @@ def merged(converge: list[dict], timed: list[dict]) -> list[dict]:
         mean_step, r, util = step.get(s["config"], (None, None, None))
         st = s.get("steps_to_target")
         out.append({"config": s["config"], "label": s["label"], "reducer": s["reducer"],
-                    "baseline": s["config"] in BASELINE_ROWS, "steps_to_target": st,
+                    # the configurations run in order, the baselines first (a run's "config" is its run name)
+                    "baseline": s.get("config_index", 0) < len(BASELINE_ROWS), "steps_to_target": st,
                     "final_loss": s.get("final_test_loss"), "mean_step_s": mean_step, "r": r, "util": util,
                     "bytes": s.get("mean_bytes_sent"),
                     "time_to_target_s": None if st is None or mean_step is None else st * mean_step})
