@@ -220,8 +220,8 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
     """Run one rank of a training run; rank 0 writes metrics. Returns a summary dict (with the
     per-step losses and eval accuracies when ``record_losses``, used by the resume tests).
 
-    About 85 lines, on purpose: the loop reads top to bottom, and its running state (train time,
-    evaluations, time to target) is shared with the checkpoint closure."""
+    One function of about 130 lines, on purpose: the loop reads top to bottom, and its running state
+    (train time, evaluations, time to target) is shared with the checkpoint closure."""
     from ..localsteps import trainer as local
     from . import clock
 
