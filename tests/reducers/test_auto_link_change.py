@@ -168,4 +168,5 @@ def test_a_changed_link_forgets_every_candidate_s_measured_time():
     res = ss.run_local(_run_planted, P, backend="thread")
     assert all(d == res[0] for d in res)
     after = [d for d in res[0] if d["step"] >= 12]
-    assert after[0]["step"] == 15 and "link changed" in after[0]["reason"] and after[0]["chosen"] == "micro:0.02", res[0]
+    first = after[0]
+    assert first["step"] == 15 and "link changed" in first["reason"] and first["chosen"] == "micro:0.02", res[0]

@@ -439,7 +439,7 @@ def test_cpu_time_is_filed_per_value_precision_and_measured_windows_replace_the_
     comm = ThreadWorld(4).comms()[0]
     r = make_reducer("auto", comm, candidates="dense,dense:fp16,micro:0.02,micro:0.02:fp16", link=SLOW)
     d32, d16 = parse_candidate("dense"), parse_candidate("dense:fp16")
-    m32, m16 = parse_candidate("micro:0.02"), parse_candidate("micro:0.02:fp16")
+    m32 = parse_candidate("micro:0.02")
     assert _cpu(r, d16) == pytest.approx((CPU_PRIOR_S["dense"] + HALF_SUM_PRIOR_S) * N)
     assert _cpu(r, d32) == pytest.approx(CPU_PRIOR_S["dense"] * N)
     r.cpu = {"dense:fp16": 50e-9, "micro:fp16": 20e-9}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["SUMMED_OUTER", "check_optimizer_state", "check_outer_optimizer", "default_outer", "nonneg_int", "outer_state_from_v1"]
+__all__ = ["SUMMED_OUTER", "check_optimizer_state", "check_outer_optimizer", "default_outer", "nonneg_int",
+           "outer_state_from_v1"]
 
 #: the first state format (see :mod:`.diloco`)
 V1 = "sparsync-diloco/1"
