@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from diloco_helpers import run_steps
 from sparsync.reducers.memory import ErrorFeedback
 from sparsync.reducers.sparseloco import SparseLoCoReducer, selected_count
 from sparsync.select.chunked import chunked_topk, short_chunk_k
@@ -196,13 +197,7 @@ def _diloco(comm, reducer, opts):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dl = ss.DiLoCo(model, comm, opt, sync_every=1, reducer=reducer, outer_optimizer=torch.optim.SGD(
         model.parameters(), lr=1.0), **opts)
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(4):
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        dl.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return run_steps(model, opt, dl, comm.rank)
 
 
 def test_diloco_h1_dense_no_decay_fp32_is_synchronous_sgd():

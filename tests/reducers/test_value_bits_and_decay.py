@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from diloco_helpers import run_steps
 from sparsync.reducers.memory import ErrorFeedback, sum_checked
 from sparsync.reducers.topka import TopkAReducer
 from sparsync.select.quantise import bits_for, decode_message, encode_message, payload_bytes
@@ -161,13 +162,7 @@ def _diloco(comm, opts):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dl = ss.DiLoCo(model, comm, opt, sync_every=2, reducer="topka", density=0.1, **opts)
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(4):
-        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 2, generator=g)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        dl.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return run_steps(model, opt, dl, comm.rank)
 
 
 def test_diloco_topka_with_value_bits_over_its_fp16_default():
