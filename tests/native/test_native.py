@@ -276,3 +276,35 @@ def test_switched_off_reaches_thread_ranks_started_inside_the_block():
     assert inside == [False] * 3
     assert ss.run_local(lambda comm: native.enabled(), 3, backend="thread") == [True] * 3
     assert native.SWITCH.blocks == 0 and not native.SWITCH.off
+
+
+def test_add_packed_is_the_torch_decode_and_index_add():
+    """One message of 2 / 4 / 8-bit values with chunk-local indices (a short last chunk), added into
+    a non-zero output: the same bits as ``decode_message`` + ``index_add_``; an index that falls
+    outside is refused with nothing written."""
+    from sparsync.select.quantise import decode_message, encode_message
+    gen = torch.Generator().manual_seed(5)
+    n, chunk, k = 1050, 100, 7
+    full, rest = divmod(n, chunk)
+    count = full * k + 4
+    local = torch.cat([torch.randperm(chunk, generator=gen)[:k].sort().values for _ in range(full)]
+                      + [torch.randperm(rest, generator=gen)[:4].sort().values])
+    base = (torch.arange(count) // k).clamp(max=full) * chunk
+    for bits in (2, 4, 8):
+        msg, _ = encode_message(local, 7, torch.randn(count, generator=gen), bits)
+        out = torch.randn(n, generator=gen)
+        where, v = decode_message(msg, count, 7, bits)
+        want = out.clone().index_add_(0, base + where, v)
+        assert native.add_packed(out, msg, count, chunk, k, 7, bits)
+        assert torch.equal(out, want)
+    bad = torch.cat([local[:-1], torch.tensor([127])])  # the short chunk's last index past n
+    msg, _ = encode_message(bad, 7, torch.randn(count, generator=gen), 2)
+    out = torch.zeros(n)
+    assert not native.add_packed(out, msg, count, chunk, k, 7, 2) and not out.any()
+    with pytest.raises(ValueError, match="exact uint8 bytes"):
+        native.add_packed(out, msg[:-1], count, chunk, k, 7, 2)
+
+
+def test_chunked_topk_refuses_a_k_that_does_not_fit():
+    with pytest.raises(ValueError, match="do not fit"):
+        native.chunked_topk(torch.randn(250), 100, 5, 60)  # the short chunk has 50 entries

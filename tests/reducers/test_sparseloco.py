@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from sparsync import native
 from diloco_helpers import run_steps
 from sparsync.reducers.memory import ErrorFeedback
 from sparsync.reducers.sparseloco import SparseLoCoReducer, selected_count
@@ -28,8 +29,21 @@ def _brute_chunked(x, chunk, k):
     return torch.tensor(out, dtype=torch.int64)
 
 
-@pytest.mark.parametrize("n,chunk,k", [(1050, 100, 5), (1000, 100, 7), (37, 8, 3), (5, 8, 2), (4096, 4096, 64)])
-def test_chunked_topk_equals_a_brute_force_reference_with_ties_and_a_short_chunk(n, chunk, k):
+@pytest.fixture(params=["c", "torch"])
+def kernels(request):
+    """Each selection test on both paths: the C kernels (when built) and the torch kernels."""
+    if request.param == "torch":
+        with native.switched_off():
+            yield request.param
+    else:
+        if not native.enabled():
+            pytest.skip(f"C kernels not built: {native.info()['why']}")
+        yield request.param
+
+
+@pytest.mark.parametrize("n,chunk,k", [(1050, 100, 5), (1000, 100, 7), (37, 8, 3), (5, 8, 2), (4096, 4096, 64),
+                                       (300, 100, 100), (4133, 4096, 64)])
+def test_chunked_topk_equals_a_brute_force_reference_with_ties_and_a_short_chunk(n, chunk, k, kernels):
     g = torch.Generator().manual_seed(n + k)
     x = torch.randint(-4, 5, (n,), generator=g).to(torch.float32)  # few distinct magnitudes: ties everywhere
     got = chunked_topk(x, chunk, k)
@@ -39,7 +53,7 @@ def test_chunked_topk_equals_a_brute_force_reference_with_ties_and_a_short_chunk
     assert torch.equal(chunked_topk(y, chunk, k), _brute_chunked(y, chunk, k))
 
 
-def test_chunked_topk_mixes_chunks_with_and_without_surplus_ties():
+def test_chunked_topk_mixes_chunks_with_and_without_surplus_ties(kernels):
     """All-zero chunks, chunks tied at the k-th magnitude and continuous chunks in one call (only the
     tied ones take the prefix-count path): the brute-force reference, chunk by chunk."""
     g = torch.Generator().manual_seed(7)
@@ -49,8 +63,23 @@ def test_chunked_topk_mixes_chunks_with_and_without_surplus_ties():
     x[500:600] = 3.0
     x[517], x[599] = 5.0, -5.0  # two above, the rest tied: the lowest columns win
     x[1000:] = 0.0  # the short last chunk, all tied
-    for k in (1, 5, 37):
+    x[700:800] = -x[700:800].abs()  # signed zeros and a sign that must not matter
+    x[700], x[701] = -0.0, 0.0
+    x[800:900] = torch.tensor(1.0).nextafter(torch.tensor(2.0)) * torch.randint(1, 3, (100,), generator=g)
+    for k in (1, 5, 37, 99, 100):
         assert torch.equal(chunked_topk(x, 100, k), _brute_chunked(x, 100, k))
+
+
+def test_the_c_and_torch_chunked_topk_agree_on_gradient_like_data():
+    """The radix select against the torch form at SparseLoCo's shape, over scales from subnormal to large."""
+    if not native.enabled():
+        pytest.skip(f"C kernels not built: {native.info()['why']}")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(20 * 4096 + 777, generator=g) * torch.logspace(-40, 30, 20 * 4096 + 777).float()
+    x[4096:8192] = torch.randn(4096, generator=g) * 1e-42  # subnormals
+    got = chunked_topk(x, 4096, 64)
+    with native.switched_off():
+        assert torch.equal(got, chunked_topk(x, 4096, 64))
 
 
 def test_bit_packing_round_trip():
@@ -123,6 +152,20 @@ def test_consistent_and_conserving_with_decay(bits, decay):
         else:  # the table's means are not exact: fp32 rounding only
             assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
         assert res[0][s][4]["selected"] == selected_count(N, 100, 5) == 52
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_c_and_torch_kernels_give_the_same_bits(bits):
+    """The C selection and decode-and-add (:func:`sparsync.native.chunked_topk`, ``add_packed``) against
+    the torch kernels: outputs and residuals bit for bit, three steps on 3 thread ranks."""
+    if not native.enabled():
+        pytest.skip(f"C kernels not built: {native.info()['why']}")
+    fast = ss.run_local(_steps, 3, {"value_bits": bits}, 3, backend="thread")
+    with native.switched_off():
+        slow = ss.run_local(_steps, 3, {"value_bits": bits}, 3, backend="thread")
+    for w in range(3):
+        for a, b in zip(fast[w], slow[w]):
+            assert torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8, 16, 32])

@@ -5,7 +5,9 @@ CPU tensor; :func:`compact_rows_abs_ge` the flat indices ``r * cols + c`` with `
 of a ``[rows, cols]`` matrix (one threshold per row); :func:`bucket_count` the bucket of every value
 among sorted edges and the histogram of the buckets; :func:`decode_block16` MiCRO's 16-bit index
 messages (:mod:`sparsync.blockindex`); :func:`momentum_fold` momentum correction and error
-feedback in one pass (:mod:`sparsync.convergence`); :func:`zero_` a zero fill and :func:`sum_check`
+feedback in one pass (:mod:`sparsync.convergence`); :func:`chunked_topk` SparseLoCo's per-chunk top-k and
+:func:`add_packed` the sum of its messages (:mod:`sparsync.select.chunked`,
+:mod:`sparsync.select.quantise`); :func:`zero_` a zero fill and :func:`sum_check`
 ``out = r + g`` with the finite check of ``g``, both with streaming stores (large result buffers,
 the reducers' input check: :mod:`sparsync.recycle`,
 :meth:`sparsync.reducers.base.Reducer.sum_checked`). They serve the threshold selection
@@ -54,7 +56,7 @@ from .build import BuildError
 from .loader import load
 
 __all__ = ["SWITCH", "KernelSwitch", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16",
-           "enabled", "info", "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
+           "add_packed", "chunked_topk", "enabled", "info", "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
@@ -276,3 +278,33 @@ def take_clear(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
     if k and _library().sparsync_take_clear_f32(x.data_ptr(), x.numel(), idx.data_ptr(), k, out.data_ptr()) != 0:
         return None
     return out
+
+
+def chunked_topk(x: torch.Tensor, chunk: int, k: int, klast: int) -> torch.Tensor:
+    """:func:`sparsync.select.chunked.chunked_topk` by a radix select per chunk: the sorted int64 indices
+    of the ``k`` largest ``|x|`` of every full chunk and the ``klast`` largest of a short last one (ties:
+    the lower index; the same indices as the torch form). ``x`` 1-D :func:`usable`, finite."""
+    if not usable(x) or x.dim() != 1:
+        raise ValueError("chunked_topk needs a 1-D contiguous fp32 CPU tensor and the C kernels on")
+    n = x.numel()
+    full, rest = divmod(n, chunk)
+    out = torch.empty(full * min(k, chunk) + (min(klast, rest) if rest else 0), dtype=torch.int64)
+    got = _library().sparsync_chunked_topk_f32(x.data_ptr(), n, int(chunk), int(k), int(klast), out.data_ptr())
+    if got != out.numel():
+        raise ValueError(f"chunked_topk: k {k} / last {klast} do not fit chunks of {chunk} over {n} entries")
+    return out
+
+
+def add_packed(out: torch.Tensor, msg: torch.Tensor, count: int, chunk: int, k: int, width: int, bits: int) -> bool:
+    """``out[start(p) + index_p] += table[code_p]`` for the ``count`` entries of one message of
+    :func:`sparsync.select.quantise.encode_message` (``bits`` 2, 4, 8; ``width`` <= 24), ``start(p)``
+    the chunk start of entry ``p`` (``k`` entries per full chunk of ``chunk``, the rest in the last):
+    the same bits as the torch decode and ``index_add_``. ``out`` 1-D :func:`usable`; ``msg`` contiguous
+    uint8 CPU of exactly the message's bytes. False, ``out`` untouched, when an index falls outside."""
+    nbytes = -(-count * width // 8) + -(-count * bits // 8) + 4 * (1 << bits)
+    if not (usable(out) and out.dim() == 1 and msg.dtype == torch.uint8 and msg.device.type == "cpu"
+            and msg.is_contiguous() and msg.numel() == nbytes and bits in (2, 4, 8) and 1 <= width <= 24):
+        raise ValueError("add_packed needs a 1-D fp32 output, the message's exact uint8 bytes, 2/4/8-bit "
+                         "values, indices of at most 24 bits, and the C kernels on")
+    return _library().sparsync_add_packed_f32(out.data_ptr(), out.numel(), msg.data_ptr(), int(count), int(chunk),
+                                              int(k), int(width), int(bits)) == 0

@@ -40,6 +40,8 @@ TABLE: dict[str, tuple[type | None, tuple[type, ...]]] = {
     "sparsync_zero_nt": (None, (_ptr, _i64)),
     "sparsync_sum_check_f32": (_int, (_ptr, _ptr, _ptr, _i64)),
     "sparsync_take_clear_f32": (_int, (_ptr, _i64, _ptr, _i64, _ptr)),
+    "sparsync_chunked_topk_f32": (_i64, (_ptr, _i64, _i64, _i64, _i64, _ptr)),
+    "sparsync_add_packed_f32": (_i64, (_ptr, _i64, _ptr, _i64, _i64, _i64, _int, _int)),
 }
 
 #: C scalar types of the exported prototypes -> ctypes (any pointer parameter is a c_void_p)

@@ -28,9 +28,19 @@
  *
  * take_clear: out[p] = x[idx[p]], then x[idx[p]] = 0 - the gather of the values to send and the
  * error feedback's zeroing of the sent entries in one visit of each cache line instead of two.
+ *
+ * chunked_topk / add_packed: SparseLoCo's selection and the receiving side of its message
+ * (sparsync/select/chunked.py, sparsync/select/quantise.py). torch finds a chunk's k-th magnitude
+ * with a batched topk (a sort-like pass per row) and then compacts a mask; here a radix select on
+ * the magnitudes' bits (the bits of |x| as an unsigned integer order like |x|) finds it in one
+ * histogram pass over the chunk (held in L1) and short passes over the candidates, and a last pass
+ * writes the chosen indices in ascending order. add_packed unpacks a message's chunk-local
+ * indices and value codes and adds the table's values in the same loop (torch: two unpacks through
+ * int64 temporaries, a gather and an index_add_).
  */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The exported interface: every function the library exports, one prototype per line, and nothing
@@ -50,6 +60,8 @@ SPARSYNC_API void sparsync_momentum_fold_f32(float *u, float *r, const float *g,
 SPARSYNC_API void sparsync_zero_nt(void *p, int64_t nbytes);
 SPARSYNC_API int sparsync_sum_check_f32(float *out, const float *r, const float *g, int64_t n);
 SPARSYNC_API int sparsync_take_clear_f32(float *x, int64_t n, const int64_t *idx, int64_t k, float *out);
+SPARSYNC_API int64_t sparsync_chunked_topk_f32(const float *x, int64_t n, int64_t chunk, int64_t k, int64_t klast, int64_t *out);
+SPARSYNC_API int64_t sparsync_add_packed_f32(float *out, int64_t n, const uint8_t *msg, int64_t count, int64_t chunk, int64_t k, int width, int bits);
 /* exports: end */
 
 /* The SHA-256 of this file, given by the build (-DSPARSYNC_SOURCE_SHA="..."): the version of the
@@ -318,6 +330,200 @@ int sparsync_take_clear_f32(float *x, int64_t n, const int64_t *idx, int64_t k, 
         float *e = x + idx[p];
         out[p] = *e;
         *e = 0.0f;
+    }
+    return 0;
+}
+
+/* Entries of u[0 .. m) (all below 2^31) in [lo, hi): their values to vals (when not NULL), or base + i
+ * to pos (when not NULL), in ascending i; returns their count. A kept entry is rare and falls
+ * anywhere, so a branch per entry mispredicts on each: the AVX2 form tests 64 entries at once and
+ * visits only the set bits of the mask. */
+static int64_t in_range_plain(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals,
+                              int64_t base, int64_t *pos) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (u[i] >= lo && u[i] < hi) {
+            if (vals) vals[c] = u[i];
+            if (pos) pos[c] = base + i;
+            c++;
+        }
+    return c;
+}
+
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+__attribute__((target("avx2")))
+static int64_t in_range_avx2(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals,
+                             int64_t base, int64_t *pos) {
+    int64_t c = 0, i = 0;
+    const __m256i below = _mm256_set1_epi32((int32_t)lo - 1), top = _mm256_set1_epi32((int32_t)hi);
+    for (; i + 64 <= m; i += 64) {
+        uint64_t mask = 0;
+        for (int g = 0; g < 8; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(u + i + 8 * g));
+            __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(v, below), _mm256_cmpgt_epi32(top, v));
+            mask |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(in)) << (8 * g);
+        }
+        while (mask) {
+            int64_t j = i + __builtin_ctzll(mask);
+            if (vals) vals[c] = u[j];
+            if (pos) pos[c] = base + j;
+            c++;
+            mask &= mask - 1;
+        }
+    }
+    return c + in_range_plain(u + i, m - i, lo, hi, vals ? vals + c : NULL, base + i, pos ? pos + c : NULL);
+}
+#endif
+
+static int64_t in_range(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals, int64_t base,
+                        int64_t *pos) {
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+    if (cpu_avx2 && hi <= 0x7fffffffu) return in_range_avx2(u, m, lo, hi, vals, base, pos);
+#endif
+    return in_range_plain(u, m, lo, hi, vals, base, pos);
+}
+
+/* base + i for every u[i] > t and the first `need` of u[i] == t, in ascending i, to out; returns the count
+ * (the last pass of the chunked top-k, with the mask of in_range). */
+static int64_t emit_top_plain(const uint32_t *u, int64_t m, uint32_t t, int64_t need, int64_t base, int64_t *out) {
+    int64_t o = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (u[i] > t || (u[i] == t && need-- > 0)) out[o++] = base + i;
+    return o;
+}
+
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+__attribute__((target("avx2")))
+static int64_t emit_top_avx2(const uint32_t *u, int64_t m, uint32_t t, int64_t need, int64_t base, int64_t *out) {
+    int64_t o = 0, i = 0;
+    const __m256i below = _mm256_set1_epi32((int32_t)t - 1);
+    for (; i + 64 <= m; i += 64) {
+        uint64_t mask = 0;
+        for (int g = 0; g < 8; g++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(u + i + 8 * g));
+            mask |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, below))) << (8 * g);
+        }
+        while (mask) {
+            int64_t j = i + __builtin_ctzll(mask);
+            if (u[j] > t || need-- > 0) out[o++] = base + j;
+            mask &= mask - 1;
+        }
+    }
+    for (; i < m; i++)
+        if (u[i] > t || (u[i] == t && need-- > 0)) out[o++] = base + i;
+    return o;
+}
+#endif
+
+static int64_t emit_top(const uint32_t *u, int64_t m, uint32_t t, int64_t need, int64_t base, int64_t *out) {
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+    if (cpu_avx2) return emit_top_avx2(u, m, t, need, base, out);
+#endif
+    return emit_top_plain(u, m, t, need, base, out);
+}
+
+/* The k largest |x[i]| of x[0 .. m) (0 < k < m), ties at the k-th magnitude taken by ascending i, written
+ * to out as base + i in ascending order; returns k. u and cand are scratch of m entries each.
+ * A radix select over the 31 magnitude bits in digits of 8, 8, 8, 7 bits: each level counts the
+ * candidates' digit, keeps those in the digit where the k-th largest lies (the threshold's next
+ * digit) and goes on with what is still needed; after the last digit the threshold t is exact and
+ * `need` is the count of entries equal to t to take. */
+static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, uint32_t *u, uint32_t *cand,
+                          int64_t *out) {
+    static const int shift[4] = {23, 15, 7, 0};
+    static const uint32_t digit_mask[4] = {0xff, 0xff, 0xff, 0x7f};
+    int64_t hist[256];
+    int32_t h4[4][256];  /* the first level's count in four interleaved tables: most entries share a
+                          * few exponents, and one table would chain every increment on the last */
+    int64_t nc = m, need = k;
+    uint32_t t = 0;
+    memcpy(u, x, (size_t)m * sizeof(uint32_t));
+    memset(h4, 0, sizeof h4);
+    int64_t i4 = 0;
+    for (; i4 + 4 <= m; i4 += 4)
+        for (int j = 0; j < 4; j++) h4[j][(u[i4 + j] &= 0x7fffffffu) >> 23]++;
+    for (; i4 < m; i4++) h4[0][(u[i4] &= 0x7fffffffu) >> 23]++;
+    const uint32_t *src = u;
+    for (int level = 0; level < 4; level++) {
+        int s = shift[level];
+        uint32_t dm = digit_mask[level];
+        if (level == 0) {
+            for (int b = 0; b < 256; b++) hist[b] = (int64_t)h4[0][b] + h4[1][b] + h4[2][b] + h4[3][b];
+        } else {
+            memset(hist, 0, sizeof hist);
+            for (int64_t i = 0; i < nc; i++) hist[(src[i] >> s) & dm]++;
+        }
+        int64_t above = 0;
+        int d = (int)dm;
+        while (above + hist[d] < need) above += hist[d--];
+        need -= above;
+        t |= (uint32_t)d << s;
+        /* the candidates keep the digits found so far: [t, t + 2^s) */
+        nc = in_range(src, nc, t, t + (1u << s), cand, 0, NULL);
+        src = cand;
+    }
+    return emit_top(u, m, t, need, base, out);
+}
+
+/* Per-chunk top-k of |x| (sparsync.select.chunked.chunked_topk): every full chunk of `chunk` entries
+ * gives k indices, a last short chunk klast; written to out in ascending order (full / chunk * k +
+ * klast entries: the caller sizes out). Returns the count, or -1 for a k outside [1, chunk] or a
+ * klast outside [1, rest] (nothing written). */
+int64_t sparsync_chunked_topk_f32(const float *x, int64_t n, int64_t chunk, int64_t k, int64_t klast, int64_t *out) {
+    int64_t full = n / chunk, rest = n % chunk, o = 0;
+    if (chunk < 1 || k < 1 || k > chunk || (rest && (klast < 1 || klast > rest))) return -1;
+    uint32_t *scratch = malloc((size_t)chunk * 2 * sizeof(uint32_t));
+    if (!scratch) return -2;
+    for (int64_t c = 0; c <= full; c++) {
+        int64_t m = c < full ? chunk : rest, kk = c < full ? k : klast, base = c * chunk;
+        if (m == 0) break;
+        if (kk >= m) {
+            for (int64_t i = 0; i < m; i++) out[o++] = base + i;
+        } else {
+            o += topk_chunk(x + base, m, kk, base, scratch, scratch + chunk, out + o);
+        }
+    }
+    free(scratch);
+    return o;
+}
+
+/* Bits [pos, pos + width) of a little-endian bit stream b of nbytes (width <= 25): one unaligned 4-byte
+ * load inside the stream, byte by byte at its end. */
+static inline uint32_t read_bits(const uint8_t *b, int64_t nbytes, int64_t pos, int width) {
+    int64_t byte = pos >> 3;
+    uint32_t w = 0;
+    if (byte + 4 <= nbytes) {
+        memcpy(&w, b + byte, 4);  /* little-endian hosts (x86-64, aarch64) */
+    } else {
+        for (int j = 0; j < 4 && byte + j < nbytes; j++) w |= (uint32_t)b[byte + j] << (8 * j);
+    }
+    return (w >> (pos & 7)) & ((1u << width) - 1u);
+}
+
+/* One SparseLoCo message (sparsync.select.quantise.encode_message with 2, 4 or 8-bit values): count
+ * chunk-local indices of `width` bits, count codes of `bits` bits, a float32 table of 2^bits entries.
+ * Entries [q k, (q + 1) k) lie in chunk q (the rest in the chunk after the last full one):
+ * out[chunk start + index] += table[code], in entry order (torch's index_add_ of the decode, the
+ * same bits). Returns 0, or -1 without writing when an index falls outside out[0 .. n). */
+int64_t sparsync_add_packed_f32(float *out, int64_t n, const uint8_t *msg, int64_t count, int64_t chunk, int64_t k,
+                                int width, int bits) {
+    int64_t ni = (count * width + 7) / 8, nc = (count * bits + 7) / 8, full = n / chunk;
+    const uint8_t *codes = msg + ni;
+    float table[256];
+    memcpy(table, msg + ni + nc, sizeof(float) * ((size_t)1 << bits));
+    for (int pass = 0; pass < 2; pass++) {
+        int64_t p = 0;
+        for (int64_t q = 0; p < count; q++) {
+            int64_t start = (q < full ? q : full) * chunk, end = q < full ? p + k : count;
+            if (end > count) end = count;
+            if (pass == 0) {
+                for (; p < end; p++)
+                    if (start + read_bits(msg, ni, p * width, width) >= n) return -1;
+            } else {
+                for (; p < end; p++)
+                    out[start + read_bits(msg, ni, p * width, width)] += table[read_bits(codes, nc, p * bits, bits)];
+            }
+        }
     }
     return 0;
 }

@@ -85,7 +85,7 @@ class SparseLoCoReducer(Reducer):
         with self.timed("select"):
             out = self.zeros_output(n, torch.promote_types(acc.dtype, torch.float32), acc.device)
             # the chunks' starts are the same on every rank (fixed counts per chunk)
-            return sum_messages(parts, count, width, bits, out, base=idx - local)
+            return sum_messages(parts, count, width, bits, out, chunk=self.chunk, k=self.k_chunk)
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, chunk=4096, value_bits=2, density=None, **_):

@@ -10,14 +10,18 @@ each give exactly ``k`` indices; a last, short chunk of ``r`` entries gives :fun
 ``= max(1, round(k * r / chunk))`` (at most ``r``) - its proportional share. Within a chunk the
 entries of largest ``|x|`` win, and among equal magnitudes the lower index (the house's tie rule, so
 every rank that holds the same values selects the same entries). Indices come back global, sorted,
-int64. Passes: ``|x|``, one ``topk`` over the magnitudes (batched per chunk) for the k-th magnitude,
-one comparison pass with a per-chunk count, the ``nonzero`` compaction; a prefix count over the columns
-only in the chunks with surplus ties at the k-th magnitude.
+int64. With the C kernels (:func:`sparsync.native.chunked_topk`, a fp32 CPU tensor): a radix select on
+the magnitudes' bits per chunk, about one read of ``x`` and 5x faster than the torch form; otherwise
+``|x|``, one ``topk`` over the magnitudes (batched per chunk) for the k-th magnitude, one comparison
+pass with a per-chunk count, the ``nonzero`` compaction, and a prefix count over the columns only in
+the chunks with surplus ties at the k-th magnitude. Both give the same indices (tested side by side).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .. import native
 
 __all__ = ["chunked_topk", "short_chunk_k", "per_chunk_k"]
 
@@ -59,6 +63,9 @@ def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     """Global sorted int64 indices of the per-chunk top-``k`` of ``|x|`` (module docstring)."""
     n = x.numel()
     full, rest = divmod(n, chunk)
+    flat = x.detach().reshape(-1)
+    if n and native.usable(flat):
+        return native.chunked_topk(flat, chunk, k, short_chunk_k(k, chunk, rest) if rest else 0)
     a = x.detach().reshape(-1).abs()
     parts = []
     if full:

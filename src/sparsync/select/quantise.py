@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from .. import native
+
 __all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "dequantise", "payload_bytes",
            "encode_message", "decode_message", "sum_messages", "check_value_bits"]
 
@@ -168,10 +170,23 @@ def decode_message(msg: torch.Tensor, count: int, width: int, bits: int) -> tupl
 
 
 def sum_messages(parts: list, count: int, width: int, bits: int, out: torch.Tensor,
-                 base: torch.Tensor | None = None) -> torch.Tensor:
+                 chunk: int | None = None, k: int | None = None) -> torch.Tensor:
     """Add every rank's message (:func:`decode_message`) into ``out`` in rank order - one ``index_add_``
-    each, so every rank that sums the same messages gets the same bits. ``base``: added to the decoded
-    indices (chunk starts, when the indices are chunk-local)."""
+    each, so every rank that sums the same messages gets the same bits. ``chunk`` / ``k``: the indices
+    are chunk-local, ``k`` entries per full chunk of ``chunk`` (the rest in the short last chunk), and
+    entry ``p`` lands at its chunk's start plus its index; else they are global. With the C kernels
+    (2, 4, 8-bit values, a fp32 ``out``) each message is unpacked and added in one loop
+    (:func:`sparsync.native.add_packed`, the same bits)."""
+    n = out.numel()
+    span, per = (chunk, k) if chunk is not None else (max(n, 1), max(count, 1))
+    if bits < 16 and width <= 24 and native.usable(out) and out.dim() == 1:
+        for m in parts:
+            if not native.add_packed(out, m.contiguous(), count, span, per, width, bits):
+                raise ValueError(f"a message's index lies outside the {n} entries")
+        return out
+    base = None
+    if chunk is not None:
+        base = (torch.arange(count, device=out.device) // k).clamp_(max=n // chunk) * chunk
     for m in parts:
         where, v = decode_message(m, count, width, bits)
         out.index_add_(0, where if base is None else base + where, v.to(out.dtype))
