@@ -55,8 +55,9 @@ import torch
 from .build import BuildError
 from .loader import load
 
-__all__ = ["SWITCH", "KernelSwitch", "bucket_count", "compact_abs_ge", "compact_rows_abs_ge", "decode_block16",
-           "add_packed", "chunked_topk", "enabled", "info", "momentum_fold", "sum_check", "switched_off", "take_clear", "usable", "zero_"]
+__all__ = ["KernelSwitch", "SWITCH", "add_packed", "bucket_count", "chunked_topk", "compact_abs_ge",
+           "compact_rows_abs_ge", "decode_block16", "enabled", "info", "momentum_fold", "sum_check", "switched_off",
+           "take_clear", "usable", "zero_"]
 
 #: initial capacity of a thread's index buffer (int64 entries; grows on demand)
 _FIRST_CAPACITY = 1 << 16
