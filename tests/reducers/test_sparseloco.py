@@ -279,3 +279,12 @@ def test_a_half_precision_gradient_is_sent_what_its_residual_subtracts(dtype):
     assert torch.equal(out[sent].to(dtype).float(), out[sent])  # representable in the gradient's dtype
     err = (x.float() - out - res.float()).abs()
     assert bool((err <= res.float().abs() * 2.0 ** -7 + 1e-30).all())  # within the residual's rounding
+
+
+def test_bench_select_chunked_part_reports_both_paths_with_the_same_bits(capsys):
+    from sparsync.cli import main
+
+    assert main(["bench-select", "--parts", "chunked", "--sizes", "10000", "--densities", "0.015625",
+                 "--repeat", "1"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| 1e+04 | 64 |") and row.endswith("| True |"), row

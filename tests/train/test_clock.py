@@ -3,6 +3,7 @@ states its link ratio and compute utilisation."""
 
 import json
 
+import pytest
 import torch
 from torch import nn
 
@@ -59,3 +60,29 @@ def test_a_diloco_row_reports_r_utilisation_and_evaluates_the_average(tmp_path):
     assert s["steps_run"] == 10
     rows = [json.loads(x) for x in (tmp_path / "d" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "test_loss" in r] == [4, 9]
+
+
+class _Evaluated:
+    """A workload stand-in whose evaluation depends on the rank that runs it, counting the calls."""
+    name = "probe"
+
+    def __init__(self, keys=("accuracy", "loss")):
+        self.calls, self.keys = [], keys
+
+    def evaluate(self, model):
+        self.calls.append(model.rank)
+        return {k: 0.25 + model.rank + i for i, k in enumerate(self.keys)}
+
+
+def _evaluate(comm, wl):
+    return clock.evaluate_once(wl, type("M", (), {"rank": comm.rank})(), comm)
+
+
+def test_only_rank_0_evaluates_and_every_rank_returns_its_numbers():
+    wl = _Evaluated()
+    got = ss.run_local(_evaluate, 3, wl, backend="thread")
+    assert wl.calls == [0]
+    assert got == [{"accuracy": 0.25, "loss": 1.25}] * 3  # no perplexity: this workload gives none
+    wl = _Evaluated(("accuracy", "loss", "perplexity", "bleu"))
+    with pytest.raises(Exception, match="bleu"):
+        ss.run_local(_evaluate, 2, wl, backend="thread", timeout=30)

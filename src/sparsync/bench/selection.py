@@ -37,6 +37,7 @@ from ..select.threshold import (
 __all__ = [
     "SELECTORS",
     "comm_benchmark",
+    "compare_chunked",
     "compare_exact_topk",
     "density_trace",
     "mlp_gradient_stream",
@@ -137,6 +138,43 @@ def compare_exact_topk(numel: int, density: float, repeat: int = 7, device="cpu"
     return {"numel": int(numel), "density": density, "k": k, "topk_s": med["torch.topk"], "exact_s": med["exact"],
             "exact_torch_s": med["exact_torch"],
             "speedup": med["torch.topk"] / med["exact"], "same_set": all(torch.equal(sets[0], s) for s in sets[1:])}
+
+
+def compare_chunked(numel: int, density: float, chunk: int = 4096, bits: int = 2, P: int = 4,
+                    repeat: int = 7) -> dict:
+    """SparseLoCo's two kernels on a standard-normal vector, C against torch side by side: the per-chunk
+    top-k (:func:`~sparsync.select.chunked.chunked_topk`, ``k = round(density * chunk)``) and the sum of
+    ``P`` messages of ``bits``-bit values (:func:`~sparsync.select.quantise.sum_messages` into a zeroed
+    output). Timed alternately after one untimed call each; returns the medians (``topk_c_s``,
+    ``topk_torch_s``, ``sum_c_s``, ``sum_torch_s``) and whether both paths gave the same bits."""
+    from ..select.chunked import chunked_topk, per_chunk_k
+    from ..select.quantise import bits_for, encode_message, sum_messages
+
+    x = torch.randn(int(numel), generator=torch.Generator().manual_seed(0))
+    k = per_chunk_k(density, chunk)
+    idx = chunked_topk(x, chunk, k)
+    local = torch.remainder(idx, chunk)
+    msg, _ = encode_message(local, bits_for(min(chunk, numel)), x.index_select(0, idx), bits)
+    out = torch.zeros(int(numel))
+
+    def summed():
+        return sum_messages([msg] * P, idx.numel(), bits_for(min(chunk, numel)), bits, out.zero_(), chunk=chunk, k=k)
+
+    def topk():
+        return chunked_topk(x, chunk, k)
+
+    fns = {"topk_c": topk, "topk_torch": lambda: _torch_pass(topk),
+           "sum_c": lambda: summed().clone(), "sum_torch": lambda: _torch_pass(lambda: summed().clone())}
+    first = {name: fn() for name, fn in fns.items()}
+    ts: dict = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t0)
+    same = torch.equal(first["topk_c"], first["topk_torch"]) and torch.equal(first["sum_c"], first["sum_torch"])
+    return {"numel": int(numel), "k": k, "count": idx.numel(), "same": same,
+            **{f"{name}_s": statistics.median(v) for name, v in ts.items()}}
 
 
 # ---------------------------------------------------------------------- realistic gradient stream

@@ -6,6 +6,8 @@ Parts (``--parts``, default the first three):
 * ``exact`` - the exact top-k kernel against ``torch.topk`` on the heavy-tailed benchmark gradient,
   side by side, at each ``--sizes`` x ``--densities`` (:func:`sparsync.bench.selection.compare_exact_topk`).
 
+* ``chunked`` - SparseLoCo's per-chunk top-k (4096-entry chunks, ``k = density x 4096``) and the sum of
+  ``--partitions`` 2-bit messages, C kernels against torch (:func:`sparsync.bench.selection.compare_chunked`).
 * ``selection`` - exact top-k vs threshold (naive and chunked kernel) vs MiCRO's partitioned
   threshold at each ``--sizes`` x ``--densities`` (:func:`sparsync.bench.selection.time_selection`).
 * ``trace`` - achieved density vs step of micro and hard_threshold on the digits-MLP gradient stream
@@ -29,7 +31,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench-select", help="selection cost and density of MiCRO / threshold sparsifiers",
                               description=doc_text(__doc__.split("\n\n")[0]))
     p.add_argument("--parts", type=NAMES, default="selection,trace,comm",
-                   help="comma list of exact, selection, trace, comm")
+                   help="comma list of exact, chunked, selection, trace, comm")
     p.add_argument("--sizes", type=COUNTS, default="1e6,1e7,1e8",
                    help="vector lengths for the exact and selection parts")
     p.add_argument("--densities", type=DENSITIES, default="0.01,0.001",
@@ -85,6 +87,21 @@ def _exact(args, bs) -> None:
             r = bs.compare_exact_topk(n, d, repeat=args.repeat, device=args.device)
             print(_row([f"{n:.3g}", d, r["k"], f"{r['topk_s'] * 1e3:.1f}", f"{r['exact_s'] * 1e3:.1f}",
                         f"{r['speedup']:.1f}x", f"{r['exact_torch_s'] * 1e3:.1f}", r["same_set"]]))
+            sys.stdout.flush()
+
+
+def _chunked(args, bs) -> None:
+    """SparseLoCo's chunked top-k and message sum, C against torch."""
+    print(f"\n### SparseLoCo's kernels, C vs torch (1 thread; alternated, median of {args.repeat}; ms)\n")
+    print(_row(["n", "k of 4096", "chunked top-k: torch", "C", "speed-up",
+                f"sum of {args.partitions} 2-bit messages: torch", "C", "speed-up", "same bits"]))
+    print(_row(["---"] * 9))
+    for n in args.sizes:
+        for d in args.densities:
+            r = bs.compare_chunked(n, d, P=args.partitions, repeat=args.repeat)
+            print(_row([f"{n:.3g}", r["k"], f"{r['topk_torch_s'] * 1e3:.1f}", f"{r['topk_c_s'] * 1e3:.1f}",
+                        f"{r['topk_torch_s'] / r['topk_c_s']:.1f}x", f"{r['sum_torch_s'] * 1e3:.1f}",
+                        f"{r['sum_c_s'] * 1e3:.1f}", f"{r['sum_torch_s'] / r['sum_c_s']:.1f}x", r["same"]]))
             sys.stdout.flush()
 
 
@@ -161,4 +178,4 @@ def _comm(args, bs) -> None:
             sys.stdout.flush()
 
 
-_PARTS = {"exact": _exact, "selection": _selection, "trace": _trace, "comm": _comm}  # in print order
+_PARTS = {"exact": _exact, "chunked": _chunked, "selection": _selection, "trace": _trace, "comm": _comm}  # print order

@@ -10,7 +10,9 @@ the link ratio the row ran at.
   steps (DiLoCo, torch's post-local SGD) each rank holds its own model between synchronisations, and
   the model to keep is their average - one untimed, unrecorded all-reduce of the parameters per
   evaluation (none right after a DiLoCo synchronisation, when every rank holds the same parameters).
-  Every other row's ranks hold the same model.
+  Every other row's ranks hold the same model. Rank 0 alone evaluates it, and every rank receives
+  its numbers (:func:`evaluate_once`): the same evaluations
+  everywhere, and that exchange is the ranks' meeting before the next step.
 * **The link ratio** ``r = T_allreduce / T_compute`` (Douillard et al., "DiLoCo", 2023, and
   Sarfi et al., "SparseLoCo", 2025, choose local steps where communication dominates compute):
   ``T_allreduce`` is a dense fp32 all-reduce of the model's parameters on this run's group, timed at
@@ -26,7 +28,10 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["kept_model", "slowest", "time_allreduce", "link_ratio", "utilisation"]
+__all__ = ["evaluate_once", "kept_model", "slowest", "time_allreduce", "link_ratio", "utilisation"]
+
+#: what an evaluation returns, in the order it travels (a workload gives a subset; a missing one travels as NaN)
+EVAL_KEYS = ("accuracy", "loss", "perplexity")
 
 
 def time_allreduce(comm, numel: int, calls: int = 2) -> float | None:
@@ -80,3 +85,21 @@ def utilisation(compute_s: float | None, step_s: float | None) -> float | None:
     if not compute_s or not step_s:
         return None
     return min(1.0, compute_s / step_s)
+
+
+def evaluate_once(workload, model: nn.Module, comm) -> dict:
+    """``workload.evaluate(model)`` on rank 0 only, every rank returning rank 0's numbers (one control
+    all-gather, also the meeting of all ranks after it): the other ranks' cores stay free for it instead
+    of each rank evaluating the same model. (Not with more intra-op threads: a rank forked from a
+    parent that ran OpenMP work can hang when it starts an OpenMP pool of its own.)"""
+    vals = torch.full((len(EVAL_KEYS),), float("nan"), dtype=torch.float64, device=comm.device)
+    if comm.rank == 0:
+        ev = workload.evaluate(model)
+        extra = set(ev) - set(EVAL_KEYS)
+        if extra:
+            raise ValueError(f"evaluate_once: {workload.name}.evaluate returned {sorted(extra)}, not in EVAL_KEYS")
+        vals = torch.tensor([float(ev.get(k, float("nan"))) for k in EVAL_KEYS], dtype=torch.float64,
+                            device=comm.device)
+    if comm.world_size > 1:
+        vals = comm.allgather_control(vals)[0]
+    return {k: float(v) for k, v in zip(EVAL_KEYS, vals.reshape(-1).tolist()) if v == v}

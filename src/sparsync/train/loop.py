@@ -19,15 +19,16 @@ torch's own ``DistributedDataParallel`` (``reducer="ddp"``; ``"ddp-fp16"`` adds 
 of a deterministic global batch (:meth:`Workload.batch_indices`). Rank 0 appends one JSON line per
 step to ``metrics.jsonl``: loss, wall time split (forward, backward, optimizer; and from the engine
 select / comm / wait / backward-compute), bytes sent and received, achieved density; every
-``eval_every`` steps the held-out accuracy and loss (rank 0; evaluation time is excluded from the
-wall-clock, and the ranks meet at an untimed barrier after it, so the next step starts as after any
-other step). Time and steps to target are interpolated between the evaluations on either side of
-the crossing (:func:`sparsync.train.stats.crossing`; the target is on accuracy, or on the metric a
-configuration's ``target_metric`` names); the run's final numbers are :func:`sparsync.train.summary.summarize`.
+``eval_every`` steps the held-out accuracy and loss (rank 0 evaluates, every rank receives its numbers:
+:func:`sparsync.train.clock.evaluate_once`; evaluation time is excluded from the wall-clock, and that
+exchange is an untimed meeting, so the next step starts as after any other step). Time and steps to
+target are interpolated between the evaluations on either side of the crossing
+(:func:`sparsync.train.stats.crossing`; the target is on accuracy, or on the metric a configuration's
+``target_metric`` names); the run's final numbers are :func:`sparsync.train.summary.summarize`.
 
 ``stop_at_target`` (``--stop-at-target``) ends the run at the first evaluation that reaches the
-target: rank 0's verdict travels with the meeting after the evaluation, so every rank stops at the
-same step; the summary's ``stopped_at_target`` is the number of steps run.
+target: every rank holds rank 0's evaluation, so every rank stops at the same step; the summary's
+``stopped_at_target`` is the number of steps run.
 
 Resume: every rank saves model, optimizer, engine (reducer residuals etc.) and the loop's counters;
 since data depend only on (seed, step), a resumed run reproduces the uninterrupted one's losses
@@ -293,7 +294,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 train_time = rec["time_s"] = clock.slowest(comm, train_time)  # the slowest rank's clock
                 in_sync = getattr(ddp, "inner_step", None) == 0  # DiLoCo right after its synchronisation
-                ev = wl.evaluate(clock.kept_model(model, comm, local_steps, in_sync))
+                ev = clock.evaluate_once(wl, clock.kept_model(model, comm, local_steps, in_sync), comm)
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
                 if "perplexity" in ev:
                     rec["perplexity"] = ev["perplexity"]
@@ -301,15 +302,11 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
                 last_acc = ev["accuracy"]
                 if time_to_target is None and _reached(cfg, ev):
                     time_to_target = train_time
-                # untimed: every rank starts the next step together, as after any step (else the others
-                # compute it while rank 0 evaluates, and rank 0's next step finds the cores free: steps
-                # after an evaluation would look faster). With stop_at_target the meeting carries rank
-                # 0's verdict (its evaluations are the run's), so every rank stops at the same step.
-                if cfg.stop_at_target:
-                    reached = torch.tensor([time_to_target is not None], dtype=torch.int64)
-                    stop = bool(comm.allgather_control(reached.to(comm.device))[0][0])
-                else:
-                    comm.barrier()
+                # untimed: every rank starts the next step together (evaluate_once ends in a meeting),
+                # as after any step (else the others would compute it while rank 0 evaluates: steps
+                # after an evaluation would look faster). Every rank holds rank 0's evaluation, so
+                # with stop_at_target every rank stops at the same step.
+                stop = cfg.stop_at_target and time_to_target is not None
             losses.append(lv)
             rows.append(rec)
             if metrics_f is not None:

@@ -112,9 +112,10 @@ _COLS = [("short", "row"), ("step_ms", "step ms"), ("step_mean_ms", "step ms (me
          ("n", "runs"), ("config", "configuration")]
 
 
-#: the terminal's table: the columns a verdict reads, then which row is which configuration
-_TERMINAL = ("short", "step_ms", "x_floor", "compute_ms", "wait_ms", "mb_step", "steps_to_target", "time_to_target",
-             "final_acc", "r", "util", "vs_dense", "n")
+#: the terminal's table: the columns a verdict reads, then which row is which configuration (the mean step and
+#: bytes beside the median step: a local-step row's median step sends nothing)
+_TERMINAL = ("short", "step_ms", "step_mean_ms", "x_floor", "compute_ms", "wait_ms", "mb_step_mean", "steps_to_target",
+             "time_to_target", "final_acc", "r", "util", "vs_dense", "n")
 
 
 def format_table(rows: list[dict], markdown: bool = True, compact: bool = False) -> str:
