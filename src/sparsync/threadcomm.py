@@ -108,6 +108,9 @@ class ThreadComm(Comm):
     def clock(self) -> float:
         return self._clock
 
+    def modelled_link(self) -> tuple[float, float]:
+        return self.world.alpha, self.world.beta
+
     def advance(self, seconds: float) -> None:
         """Charge local work (e.g. modelled compute) to this rank's virtual clock."""
         self._clock += float(seconds)

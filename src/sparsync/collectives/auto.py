@@ -109,8 +109,7 @@ def _state(state: AutoState | None) -> AutoState:
 
 
 def _virtual_network(comm) -> bool:
-    world = getattr(comm, "world", None)
-    return world is not None and hasattr(world, "alpha")
+    return comm.modelled_link() is not None
 
 
 def calibrate(comm, reps: int = 5, big_bytes: int = _BIG_BYTES,
@@ -123,9 +122,9 @@ def calibrate(comm, reps: int = 5, big_bytes: int = _BIG_BYTES,
     st = _state(state)
     if not force and st.calibration is not None:
         return st.calibration
-    world = getattr(comm, "world", None)
-    if _virtual_network(comm):
-        ab = ((world.alpha, world.beta) if (world.alpha or world.beta) else NOMINAL) + (0.0, 0.0)
+    link = comm.modelled_link()
+    if link is not None:
+        ab = (link if any(link) else NOMINAL) + (0.0, 0.0)
     elif comm.world_size == 1:
         ab = NOMINAL + NOMINAL_GAMMA
     else:

@@ -169,3 +169,8 @@ class Comm(PointToPoint, Collectives, ABC):
     def clock(self) -> float | None:
         """Virtual time in seconds (ThreadComm with alpha/beta set); None on real backends."""
         return None
+
+    def modelled_link(self) -> tuple[float, float] | None:
+        """``(alpha, beta)`` of the modelled network whose costs a virtual clock charges (ThreadComm; both
+        0 when none was given); None on a real network, whose costs can only be measured."""
+        return None
