@@ -1,6 +1,7 @@
-"""``ef_decay`` in every buffer form of :class:`ErrorFeedback`, and the ``value_bits`` / ``ef_decay``
-options of ``topka``: today's bits when left at their defaults, SparseLoCo's exchange at one chunk when
-set, conservation up to fp32 rounding, the ledger against its formula, every rank alike."""
+"""``ef_decay`` in every buffer form of :class:`ErrorFeedback` and on ``micro`` / ``block_allgather`` /
+``blocksparse`` (the decayed law exactly), and the ``value_bits`` / ``ef_decay`` options of ``topka``:
+today's bits when left at their defaults, SparseLoCo's exchange at one chunk when set, conservation up to
+fp32 rounding, the ledger against its formula, every rank alike."""
 
 import pytest
 import torch
@@ -197,3 +198,32 @@ def test_a_compare_config_passes_value_bits_to_sparseloco_and_topka():
         load_all()[name].check_options(c["options"])
         r = ss.run_local(_make, 1, name, c["density"], c["options"])[0]
         assert (r.value_bits, r.ef_decay, r.memory.decay) == (2, 0.9, 0.9)
+
+
+def _decayed_steps(comm, name, decay):
+    r = ss.make_reducer(name, comm, density=0.05, ef_decay=decay)
+    g = torch.Generator().manual_seed(20 + comm.rank)
+    rows = []
+    for _ in range(3):
+        x = _dyadic(g, N)
+        before = None if r.residual is None else r.residual.clone()
+        out = r.reduce(x.clone())
+        rows.append((x, before, out.clone(), r.residual.clone()))
+    return rows, r.conserving
+
+
+@pytest.mark.parametrize("name", ["micro", "block_allgather", "blocksparse"])
+@pytest.mark.parametrize("decay", [1.0, 0.5])
+def test_ef_decay_on_the_other_all_gather_reducers_keeps_the_decayed_law_exactly(name, decay):
+    """``sum_r (decay * residual_before_r + grad_r) == out + sum_r residual_after_r`` bit for bit on dyadic
+    values (every operation exact), the output alike on every rank, and ``conserving`` only without decay."""
+    res = ss.run_local(_decayed_steps, 3, name, decay, backend="thread")
+    for s in range(3):
+        out = res[0][0][s][2]
+        assert all(torch.equal(res[w][0][s][2], out) for w in range(3))
+        fed = sum(res[w][0][s][0] + (0 if res[w][0][s][1] is None else decay * res[w][0][s][1]) for w in range(3))
+        assert torch.equal(fed, out + sum(res[w][0][s][3] for w in range(3)))
+    assert all(c == (decay == 1.0) for _, c in res)
+    with pytest.raises(ValueError, match=f"{name}: ef_decay") as e:
+        ss.run_local(lambda comm: ss.make_reducer(name, comm, ef_decay=0.0), 1, backend="thread")
+    assert len(str(e.value).splitlines()) == 1

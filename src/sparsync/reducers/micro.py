@@ -60,7 +60,8 @@ from ..select.threshold import (
 )
 from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
-from .capabilities import OptionFact
+from .capabilities import OptionFact, wire_conserves
+from .memory import check_decay
 from .registry import register
 
 #: a density change between steps by more than this factor restarts the threshold window
@@ -106,6 +107,8 @@ class MicroReducer(Reducer):
     value_dtype_conserving = OptionFact(True, lambda r: r.values != "allreduce")
     reuse_buffers = OptionFact(True, lambda r: r._reuse_buffers)  # the option of that name
     indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
+    #: ``ef_decay`` below 1 sheds the residual's mass by design (SparseLoCo's error feedback)
+    conserving = OptionFact(True, lambda r: r.ef_decay == 1.0 and wire_conserves(r))
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  rule: str = "histogram", spread: float = 1.1, max_spread: float = 4.0, bins: int = 128,
@@ -113,12 +116,14 @@ class MicroReducer(Reducer):
                  grow: float = 1.5, shrink: float = 0.5, cap_factor: float | None = 4.0,
                  force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct",
                  values: str = "auto", start: str = "data", lead: float = 0.7, indices: str = "auto",
-                 **rest):
+                 ef_decay: float = 1.0, **rest):
         if values not in ("auto", "owner", "gather", "allreduce"):
             raise ValueError(f"micro: values must be 'auto', 'owner', 'gather' or 'allreduce', got {values!r}")
         self.values = values = value_path(values, comm.world_size)
         self._reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__ (the memory's form)
+        ef_decay = check_decay(ef_decay, "micro")
         super().__init__(comm, density=density, **rest)
+        self.ef_decay = self.memory.decay = ef_decay
         self.threshold0 = None if threshold is None else check_threshold(threshold)
         rules = ("histogram",) + ThresholdController.RULES
         if rule not in rules:
