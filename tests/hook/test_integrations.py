@@ -37,7 +37,8 @@ def _free_port() -> int:
 
 def _torchrun(script: str, tmp_path, timeout: float = 240) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(SCRIPTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+           "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONFAULTHANDLER": "1"}  # an abort at exit prints every thread's Python stack
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(SCRIPTS / script), str(tmp_path)]
     try:
