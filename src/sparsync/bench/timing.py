@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..collectives import load_all as load_collectives
-from ..collectives.auto import AutoState
+from ..collectives.auto import with_own_state
 from ..recycle import fill_zero
 from ..reducers import make_reducer
 from ..sparse import SparseVec
@@ -162,8 +162,7 @@ def collective_fn(comm, algorithm: str, sv: SparseVec | None, numel: int | None 
     algos = load_collectives()
     if algorithm not in algos:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(BASELINES)}, {', '.join(sorted(algos))}")
-    if algorithm == "auto" and options.get("state") is None:
-        options["state"] = AutoState()
+    options = with_own_state(algorithm, options)
     if dense:
         from ..collectives.registry import dense_sum
 
@@ -244,8 +243,7 @@ def time_collective(comm, algorithm: str, sv, steps: int = 5, warmup: int = 2,
     :class:`~sparsync.collectives.auto.AutoState` for every input (``state=``, else a fresh one).
     """
     svs = sv if isinstance(sv, (list, tuple)) else [sv]
-    if algorithm == "auto" and options.get("state") is None:
-        options["state"] = AutoState()
+    options = with_own_state(algorithm, options)
     calls = [collective_fn(comm, algorithm, x, numel=numel, **options) for x in svs]
     step_no = 0
     snap = None

@@ -108,8 +108,12 @@ def _state(state: AutoState | None) -> AutoState:
     return state
 
 
-def _virtual_network(comm) -> bool:
-    return comm.modelled_link() is not None
+def with_own_state(algorithm: str, options: dict) -> dict:
+    """``options``, with ``state=`` a fresh :class:`AutoState` when ``algorithm`` is ``"auto"`` and none is
+    given: for a caller that calls ``auto`` many times (calibrated and measured once, then kept)."""
+    if algorithm == "auto" and options.get("state") is None:
+        return {**options, "state": AutoState()}
+    return options
 
 
 def calibrate(comm, reps: int = 5, big_bytes: int = _BIG_BYTES,
@@ -286,7 +290,7 @@ def _pick(sv, comm, alpha, beta, group_size, gamma_sparse, gamma_dense, k, state
     t = predict(P, sv.numel, k, float(alpha), float(beta), vb, group_size, float(gamma_sparse), float(gamma_dense))
     best = min(t, key=lambda name: (t[name], CANDIDATES.index(name)))
     measure = st.tune if tune is None else bool(tune)
-    if not measure or _virtual_network(comm) or given[0] is not None or given[1] is not None:
+    if not measure or comm.modelled_link() is not None or given[0] is not None or given[1] is not None:
         return best, None
     key = st.key(sv.numel, k, sv.dtype, dense, group_size)
     if key not in st.choices:

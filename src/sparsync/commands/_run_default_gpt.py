@@ -29,7 +29,7 @@ from pathlib import Path
 WORKLOAD = "gpt-long"
 #: rows sparsync did not add, each at its best setting on this job: torch DDP + fp16, PowerSGD rank 4 (rank 1
 #: ends far above it), torch's post-local SGD at H = 16 (model averaging: the H with the least estimated time
-#: to target at r ~ 20 - H = 8 reaches the target in 777 steps but pays twice the all-reduces, H = 32 does not
+#: to target at r ~ 20 - H = 8 reaches the target in 808 steps but pays twice the all-reduces, H = 32 does not
 #: reach it in 1200 steps)
 BASELINE_ROWS = ["ddp-fp16", "ddp-powersgd4", "ddp-localsgd16"]
 #: sparsync's rows: DiLoCo every 16 steps, dense (plain averaging) and with SparseLoCo's exchange (its default

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from ..collectives.auto import AutoState
+from ..collectives.auto import with_own_state
 from ..collectives.registry import load_all
 from ..ps import apply_update, ps_allreduce
 from .batching import batches, straggle, worker_slice
@@ -66,8 +66,7 @@ def train(comm, train_ds: SparseDataset, model: str = "logreg", epochs: int = 5,
     if algorithm == "ps-async":
         return train_ps_async(comm, train_ds, model, epochs, global_batch, lr, l2, seed, test_ds, dtype, log,
                               straggler_ms=straggler_ms, **algo_options)
-    if algorithm == "auto" and algo_options.get("state") is None:
-        algo_options["state"] = AutoState()  # calibrated and measured once, for every step
+    algo_options = with_own_state(algorithm, algo_options)  # auto: calibrated and measured once, then kept
     N = train_ds.n_features
     w = torch.zeros(N, dtype=dtype)
     history = []

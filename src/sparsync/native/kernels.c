@@ -334,26 +334,20 @@ int sparsync_take_clear_f32(float *x, int64_t n, const int64_t *idx, int64_t k, 
     return 0;
 }
 
-/* Entries of u[0 .. m) (all below 2^31) in [lo, hi): their values to vals (when not NULL), or base + i
- * to pos (when not NULL), in ascending i; returns their count. A kept entry is rare and falls
- * anywhere, so a branch per entry mispredicts on each: the AVX2 form tests 64 entries at once and
- * visits only the set bits of the mask. */
-static int64_t in_range_plain(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals,
-                              int64_t base, int64_t *pos) {
+/* The entries of u[0 .. m) (all below 2^31) in [lo, hi), copied to vals in ascending i (vals may be u
+ * itself: an entry is written at or before where it was read); returns their count. A kept entry is
+ * rare and falls anywhere, so a branch per entry mispredicts on each: the AVX2 form tests 64 entries
+ * at once and visits only the set bits of the mask. */
+static int64_t in_range_plain(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals) {
     int64_t c = 0;
     for (int64_t i = 0; i < m; i++)
-        if (u[i] >= lo && u[i] < hi) {
-            if (vals) vals[c] = u[i];
-            if (pos) pos[c] = base + i;
-            c++;
-        }
+        if (u[i] >= lo && u[i] < hi) vals[c++] = u[i];
     return c;
 }
 
 #ifdef SPARSYNC_HAVE_AVX2_PATH
 __attribute__((target("avx2")))
-static int64_t in_range_avx2(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals,
-                             int64_t base, int64_t *pos) {
+static int64_t in_range_avx2(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals) {
     int64_t c = 0, i = 0;
     const __m256i below = _mm256_set1_epi32((int32_t)lo - 1), top = _mm256_set1_epi32((int32_t)hi);
     for (; i + 64 <= m; i += 64) {
@@ -363,28 +357,21 @@ static int64_t in_range_avx2(const uint32_t *u, int64_t m, uint32_t lo, uint32_t
             __m256i in = _mm256_and_si256(_mm256_cmpgt_epi32(v, below), _mm256_cmpgt_epi32(top, v));
             mask |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(in)) << (8 * g);
         }
-        while (mask) {
-            int64_t j = i + __builtin_ctzll(mask);
-            if (vals) vals[c] = u[j];
-            if (pos) pos[c] = base + j;
-            c++;
-            mask &= mask - 1;
-        }
+        for (; mask; mask &= mask - 1) vals[c++] = u[i + __builtin_ctzll(mask)];
     }
-    return c + in_range_plain(u + i, m - i, lo, hi, vals ? vals + c : NULL, base + i, pos ? pos + c : NULL);
+    return c + in_range_plain(u + i, m - i, lo, hi, vals + c);
 }
 #endif
 
-static int64_t in_range(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals, int64_t base,
-                        int64_t *pos) {
+static int64_t in_range(const uint32_t *u, int64_t m, uint32_t lo, uint32_t hi, uint32_t *vals) {
 #ifdef SPARSYNC_HAVE_AVX2_PATH
-    if (cpu_avx2 && hi <= 0x7fffffffu) return in_range_avx2(u, m, lo, hi, vals, base, pos);
+    if (cpu_avx2 && hi <= 0x7fffffffu) return in_range_avx2(u, m, lo, hi, vals);
 #endif
-    return in_range_plain(u, m, lo, hi, vals, base, pos);
+    return in_range_plain(u, m, lo, hi, vals);
 }
 
 /* base + i for every u[i] > t and the first `need` of u[i] == t, in ascending i, to out; returns the count
- * (the last pass of the chunked top-k, with the mask of in_range). */
+ * (the last pass of the chunked top-k, masked as in_range is). */
 static int64_t emit_top_plain(const uint32_t *u, int64_t m, uint32_t t, int64_t need, int64_t base, int64_t *out) {
     int64_t o = 0;
     for (int64_t i = 0; i < m; i++)
@@ -459,7 +446,7 @@ static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, ui
         need -= above;
         t |= (uint32_t)d << s;
         /* the candidates keep the digits found so far: [t, t + 2^s) */
-        nc = in_range(src, nc, t, t + (1u << s), cand, 0, NULL);
+        nc = in_range(src, nc, t, t + (1u << s), cand);
         src = cand;
     }
     return emit_top(u, m, t, need, base, out);

@@ -20,8 +20,8 @@ from ..select.blocks import block_topk, blocks_for_density, check_block_size, nu
 from ..select.topk import check_density
 from ..sketch import block_elements
 from .base import Reducer
+from .memory import decay_memory
 from .capabilities import OptionFact
-from .memory import check_decay
 
 __all__ = ["BlockReducer", "coo_rows"]
 
@@ -68,9 +68,8 @@ class BlockReducer(Reducer):
 
     def __init__(self, comm, density: float = 0.01, block_size: int = 256,
                  embedding_density: float | None = None, ef_decay: float = 1.0, **rest):
-        ef_decay = check_decay(ef_decay, type(self).name)
         super().__init__(comm, density=density, **rest)
-        self.ef_decay = self.memory.decay = ef_decay
+        self.ef_decay = decay_memory(self.memory, ef_decay, self.name)
         self.block_size = check_block_size(block_size)
         self.embedding_density = self.density if embedding_density is None else check_density(embedding_density)
         self.sparse_stats: dict = {}

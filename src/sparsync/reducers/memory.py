@@ -59,7 +59,7 @@ import torch
 from .. import native
 from ..sparse import add_at, set_at
 
-__all__ = ["ErrorFeedback", "check_decay", "sum_checked", "sums_finite", "cpu_copy", "placed"]
+__all__ = ["ErrorFeedback", "check_decay", "decay_memory", "sum_checked", "sums_finite", "cpu_copy", "placed"]
 
 #: ``on_nonfinite(values, residual)``: raises for a non-finite input (``residual``: the memory whose
 #: sum with finite ``values`` overflowed, or None)
@@ -124,6 +124,13 @@ def check_decay(decay, who: str = "") -> float:
     if not ok:
         raise ValueError(f"{who + ': ' if who else ''}ef_decay must be in (0, 1], got {decay!r}")
     return float(decay)
+
+
+def decay_memory(memory: ErrorFeedback, ef_decay, who: str) -> float:
+    """A reducer's option ``ef_decay`` (SparseLoCo's decayed error feedback; 1: plain): checked
+    (:func:`check_decay`), set on its ``memory``, and returned for the reducer to keep."""
+    memory.decay = check_decay(ef_decay, who)
+    return memory.decay
 
 
 def cpu_copy(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -61,7 +61,7 @@ from ..select.threshold import (
 from ..sparse import index_dtype_for
 from .base import IndexedSum, Reducer
 from .capabilities import OptionFact, wire_conserves
-from .memory import check_decay
+from .memory import decay_memory
 from .registry import register
 
 #: a density change between steps by more than this factor restarts the threshold window
@@ -121,9 +121,8 @@ class MicroReducer(Reducer):
             raise ValueError(f"micro: values must be 'auto', 'owner', 'gather' or 'allreduce', got {values!r}")
         self.values = values = value_path(values, comm.world_size)
         self._reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__ (the memory's form)
-        ef_decay = check_decay(ef_decay, "micro")
         super().__init__(comm, density=density, **rest)
-        self.ef_decay = self.memory.decay = ef_decay
+        self.ef_decay = decay_memory(self.memory, ef_decay, self.name)
         self.threshold0 = None if threshold is None else check_threshold(threshold)
         rules = ("histogram",) + ThresholdController.RULES
         if rule not in rules:

@@ -38,7 +38,7 @@ from ..select.chunked import chunked_topk, per_chunk_k, short_chunk_k
 from ..select.quantise import bits_for, check_value_bits, encode_message, payload_bytes, sum_messages
 from .base import Reducer
 from .capabilities import OptionFact
-from .memory import check_decay
+from .memory import decay_memory
 from .registry import register
 
 __all__ = ["SparseLoCoReducer"]
@@ -61,11 +61,11 @@ class SparseLoCoReducer(Reducer):
                  ef_decay: float = 0.95, **rest):
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
             raise ValueError(f"sparseloco: chunk must be an integer >= 2, got {chunk!r}")
-        value_bits, ef_decay = check_value_bits(value_bits, "sparseloco"), check_decay(ef_decay, "sparseloco")
+        value_bits = check_value_bits(value_bits, "sparseloco")
         super().__init__(comm, density=density, **rest)
-        self.chunk, self.value_bits, self.ef_decay = int(chunk), value_bits, ef_decay
+        self.chunk, self.value_bits = int(chunk), value_bits
+        self.ef_decay = decay_memory(self.memory, ef_decay, self.name)
         self.k_chunk = per_chunk_k(self.density, self.chunk)
-        self.memory.decay = self.ef_decay
 
     def _width(self, n: int) -> int:
         return bits_for(min(self.chunk, n))

@@ -37,7 +37,7 @@ from ..select.topk import topk_abs
 from ..sparse import SparseVec
 from .base import Reducer
 from .capabilities import OptionFact, wire_conserves
-from .memory import check_decay
+from .memory import decay_memory
 from .registry import register
 
 
@@ -53,10 +53,9 @@ class TopkAReducer(Reducer):
         if value_bits is not None:
             value_bits = check_value_bits(value_bits, "topka")
             rest["value_dtype"] = "fp16" if value_bits == 16 else "fp32"  # value_bits decides
-        ef_decay = check_decay(ef_decay, "topka")
         super().__init__(comm, density=density, **rest)
-        self.value_bits, self.ef_decay = value_bits, ef_decay
-        self.memory.decay = ef_decay
+        self.value_bits = value_bits
+        self.ef_decay = decay_memory(self.memory, ef_decay, self.name)
         self.packed = value_bits is not None and value_bits < 16  # codes and a table: the packed message
 
     @classmethod

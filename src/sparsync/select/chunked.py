@@ -66,7 +66,7 @@ def chunked_topk(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
     flat = x.detach().reshape(-1)
     if n and native.usable(flat):
         return native.chunked_topk(flat, chunk, k, short_chunk_k(k, chunk, rest) if rest else 0)
-    a = x.detach().reshape(-1).abs()
+    a = flat.abs()
     parts = []
     if full:
         mask = _rows_topk(a[: full * chunk].view(full, chunk), k)

@@ -10,9 +10,9 @@ the link ratio the row ran at.
   steps (DiLoCo, torch's post-local SGD) each rank holds its own model between synchronisations, and
   the model to keep is their average - one untimed, unrecorded all-reduce of the parameters per
   evaluation (none right after a DiLoCo synchronisation, when every rank holds the same parameters).
-  Every other row's ranks hold the same model. Rank 0 alone evaluates it, and every rank receives
-  its numbers (:func:`evaluate_once`): the same evaluations
-  everywhere, and that exchange is the ranks' meeting before the next step.
+  Every other row's ranks hold the same model. Rank 0 alone evaluates it, and every rank receives its
+  numbers (:func:`evaluate_once`): the same evaluations everywhere, and that exchange is the ranks'
+  meeting before the next step.
 * **The link ratio** ``r = T_allreduce / T_compute`` (Douillard et al., "DiLoCo", 2023, and
   Sarfi et al., "SparseLoCo", 2025, choose local steps where communication dominates compute):
   ``T_allreduce`` is a dense fp32 all-reduce of the model's parameters on this run's group, timed at
