@@ -46,10 +46,11 @@ class DDPHook:
     DDP keeps computing backward and launching later buckets meanwhile. Two paths, by what the
     reducer declares (:attr:`~sparsync.reducers.base.Reducer.staged`):
 
-    * a **staged** reducer (one collective per step: ``dense``) does its local work in the hook call
-      and posts its all-reduce ``async_op=True`` on the hook's group
-      (:meth:`~sparsync.reducers.base.Reducer.start`, :meth:`~sparsync.comm.Comm.allreduce_async`):
-      the future is the work's future chained with ``then``, no thread involved;
+    * a **staged** reducer (one collective per step: ``dense``'s all-reduce, ``sparseloco``'s all-gather)
+      does its local work in the hook call and posts its collective ``async_op=True`` on the hook's group
+      (:meth:`~sparsync.reducers.base.Reducer.start`, :meth:`~sparsync.comm.Comm.allreduce_async` /
+      :meth:`~sparsync.comm.Comm.allgather_into_async`): the future is the work's future chained with
+      ``then``, no thread involved;
     * every other reducer makes several collectives, each depending on the one before (calibration,
       index all-gather, value exchange). Posted from completion callbacks, one bucket's later stages
       could be issued before or after another bucket's on different ranks, and gloo pairs collectives

@@ -222,6 +222,10 @@ class TorchComm(Comm):
     def _allgather_into(self, t, out):
         _allgather_single(out, t, group=self.group)
 
+    def _allgather_into_async(self, t, out):
+        work = _allgather_single(out, t, group=self.group, async_op=True)
+        return work.get_future().then(lambda f: (f.value(), out)[1])  # (value() raises the gather's error)
+
     def _alltoall(self, flat, send_splits, recv_splits):
         out = torch.empty(sum(recv_splits), dtype=flat.dtype, device=self.device)
         dist.all_to_all_single(out, flat, recv_splits, send_splits, group=self.group)

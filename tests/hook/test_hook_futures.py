@@ -142,32 +142,42 @@ def test_failure_comes_back_from_the_future():
 
 
 # ---------------------------------------------------------------------- the staged interface on any Comm
-def _start_vs_reduce(comm):
+def _start_vs_reduce(comm, name, options):
     g = torch.Generator().manual_seed(comm.rank)
     grads = [torch.randn(300, generator=g) for _ in range(3)]
-    a, b = make_reducer("dense", comm), make_reducer("dense", comm)
-    outs = []
+    a, b = make_reducer(name, comm, **options), make_reducer(name, comm, **options)
+    outs, done = [], []
     for x in grads:
         fut = a.start(x)
-        assert fut.done()  # thread ranks have no asynchronous collectives: completed at once
+        done.append(fut.done())
         outs.append((fut.wait().clone(), b.reduce(x).clone()))
+    same_residual = a.residual is None or torch.equal(a.residual, b.residual)
     refused = None
     try:
         make_reducer("topka", comm).start(grads[0])
     except TypeError as e:
         refused = str(e)
-    return outs, a.step, a.stats["bytes_sent"] == b.stats["bytes_sent"] > 0, refused
+    return outs, done, a.step, a.stats["bytes_sent"] == b.stats["bytes_sent"] > 0, same_residual, refused
 
 
-def test_start_equals_reduce_on_thread_ranks():
-    for outs, step, same_bytes, refused in ss.run_local(_start_vs_reduce, 3):
-        assert all(torch.equal(x, y) for x, y in outs) and step == 3 and same_bytes
+@pytest.mark.parametrize("name,options,backend", [
+    ("dense", {}, "thread"),
+    ("sparseloco", {"density": 4 / 64, "chunk": 64, "value_bits": 2}, "thread"),
+    ("sparseloco", {"density": 4 / 64, "chunk": 64, "value_bits": 2}, "gloo"),
+])
+def test_start_equals_reduce(name, options, backend):
+    """``start`` gives ``reduce``'s sum bit for bit, the same bytes and residual; thread ranks have no
+    asynchronous collectives (completed at once); a reducer of several collectives refuses it."""
+    for outs, done, step, same_bytes, same_residual, refused in ss.run_local(_start_vs_reduce, 3, name, options,
+                                                                             backend=backend, timeout=60):
+        assert all(torch.equal(x, y) for x, y in outs) and step == 3 and same_bytes and same_residual
+        assert backend != "thread" or all(done)
         assert refused and "not staged" in refused
 
 
 def test_staged_is_declared():
     staged = {name for name, cls in load_all().items() if cls.staged}
-    assert "dense" in staged and "topka" not in staged and "micro" not in staged
+    assert {"dense", "sparseloco"} <= staged and "topka" not in staged and "micro" not in staged
 
 
 def _resume(comm):

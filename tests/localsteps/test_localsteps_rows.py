@@ -113,6 +113,7 @@ def test_compare_plan_keeps_dense_baseline_beside_dense_diloco():
     ("micro:0.02,sync_every=4,merge=wfbp", "merge must be 'single'"),
     ("micro:0.02,sync_every=0", "positive integer"),
     ("diloco:8,outer_momentum=1", "outer_momentum"),
+    ("topka:0.02,sync_every=4,overlap=1", "one collective"),
 ])
 def test_bad_local_step_configurations_are_one_line_errors(configs, msg):
     with pytest.raises(UsageError, match=msg):
@@ -184,3 +185,14 @@ def test_compare_rows_name_the_outer_optimizer(configs, kind, hyper):
 def test_bad_outer_optimizers_are_one_line_errors(configs, msg):
     with pytest.raises(UsageError, match=msg):
         plan(_args(configs))
+
+
+def test_compare_rows_take_overlap():
+    """``overlap=tau`` is a local-steps key: parsed into the row's local steps, named in its label, and
+    checked against H in one line."""
+    c = parse_configs("sparseloco:0.015625,sync_every=8,overlap=1", 0.01, "single")
+    assert c[0]["local"] == {"sync_every": 8, "overlap": 1}
+    _, cfgs = plan(_args("dense,sync_every=8,overlap=2"))
+    assert any(cfg.label().startswith("DiLoCo H=8, overlap 2") for cfg in cfgs)
+    with pytest.raises(UsageError, match="at most sync_every"):
+        plan(_args("dense,sync_every=8,overlap=9"))

@@ -64,6 +64,27 @@ class Collectives:
         self._charge_collective(cost)
         return out
 
+    def allgather_into_async(self, t: torch.Tensor, out: torch.Tensor) -> torch.futures.Future:
+        """:meth:`allgather_into` posted without waiting: a ``torch.futures.Future`` whose value is ``out``,
+        the same bits and the same ledger (recorded now). ``t`` and ``out`` stay untouched by the caller
+        until it completes. Backends without asynchronous collectives gather now (a completed future)."""
+        t = as_1d(t, "allgather_into_async")
+        if out.dim() != 1 or out.numel() != self.world_size * t.numel() or out.dtype != t.dtype:
+            raise CommError(f"allgather_into_async needs a 1-D {t.dtype} output of {self.world_size} x {t.numel()} "
+                            f"elements, got {out.dtype} of shape {tuple(out.shape)}")
+        fut = self._allgather_into_async(t, out)
+        cost = self._ring_cost(1, (self.world_size - 1) * nbytes(t))
+        self._record(cost)
+        self._charge_collective(cost)
+        return fut
+
+    def _allgather_into_async(self, t: torch.Tensor, out: torch.Tensor) -> torch.futures.Future:
+        """Post the gather of :meth:`allgather_into_async`; here: gather now, a completed future."""
+        self._allgather_into(t, out)
+        fut = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
     def allgather_direct(self, t: torch.Tensor) -> list[torch.Tensor]:
         """:meth:`allgather` of a tensor whose size every rank knows to be the same everywhere, by
         one batch of direct sends and receives (:meth:`_allgather_direct`) instead of a ring: the

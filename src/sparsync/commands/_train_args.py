@@ -147,7 +147,7 @@ def config_from_args(args, reducer=None, density=None, merge=None, options=None,
     from ..train.runs import TrainConfig
 
     pairs = (("sync_every", "sync_every"), ("outer", "outer"), ("outer_lr", "outer_lr"),
-             ("outer_momentum", "outer_momentum"), ("warmup", "local_warmup"))
+             ("outer_momentum", "outer_momentum"), ("overlap", "overlap"), ("warmup", "local_warmup"))
     local_steps = {k: getattr(args, a) for k, a in pairs if getattr(args, a, None) is not None}
     return TrainConfig(local_steps=local_steps,
         workload=args.workload, reducer=reducer or args.reducer,

@@ -61,6 +61,8 @@ def register(sub) -> None:
     local.add_argument("--outer-lr", type=float, default=None, help="DiLoCo's outer lr (0.7 for SGD)")
     local.add_argument("--outer-momentum", type=float, default=None,
                        help="DiLoCo's outer momentum (0.9; Adam's beta1 with --outer adam)")
+    local.add_argument("--overlap", type=int_in(0, 2**31, "--overlap"), default=None, metavar="TAU",
+                       help="DiLoCo: the exchange runs beside the next TAU inner steps (1..H; default 0: waited for)")
     local.add_argument("--local-warmup", type=int, default=None, metavar="N",
                        help="ddp-localsgd<H>: synchronous steps before local SGD (torch's start_localSGD_iter)")
     p.add_argument("--name", default=None, help="run name (directory <runs-dir>/<name>; default from the config)")

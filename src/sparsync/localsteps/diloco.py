@@ -63,6 +63,7 @@ import time
 import torch
 from torch import nn
 
+from .overlap import Overlap, check_overlap
 from .outer import V1, check_optimizer_state, check_outer_optimizer, default_outer, nonneg_int, outer_state_from_v1
 from .period import MAX_PERIOD, AutoPeriod, default_period_cost
 
@@ -154,6 +155,10 @@ class DiLoCo:
             may drive it (one scheduler step per outer step is the caller's).
         init_sync: broadcast rank 0's parameters and buffers at construction (default True), so
             every rank starts from the same shared parameters.
+        overlap: 0 (default): every rank waits for the exchange at the end of each period; tau in
+            [1, H]: the exchange runs in the background during the next tau inner steps and the outer step is
+            applied after them, each rank's progress since kept (:mod:`.overlap`; not with ``"auto"``; a
+            reducer of one collective: ``dense``, ``sparseloco``).
         **reducer_options: passed to the reducer (``value_dtype="fp32"`` turns half-precision values off).
 
     After each call of :meth:`step`, ``last_stats`` holds ``synced`` (whether this call ran the
@@ -161,13 +166,15 @@ class DiLoCo:
     synchronisation the reducer's ``select_s``,
     ``comm_s``, ``bytes_sent``, ``bytes_received``, ``selected``, ``density`` plus ``inner_s`` and
     ``outer_s`` (seconds of the inner step and of the whole outer synchronisation); calls without
-    synchronisation report zero bytes and zero density.
+    synchronisation report zero bytes and zero density. With ``overlap``, ``synced`` marks the call that
+    applied an outer step (its exchange's stats, ``wait_s`` the seconds it waited for it), ``launched``
+    the call that started one, and ``outer_s`` the seconds either spent on the caller's thread.
     """
 
     def __init__(self, module: nn.Module, comm, inner_optimizer, sync_every: int, reducer: str = "dense",
                  density: float = 0.01, outer_lr: float | None = None, outer_momentum: float | None = None, *,
                  outer_optimizer: torch.optim.Optimizer | None = None, init_sync: bool = True,
-                 period_cost: float | None = None, max_period: int = MAX_PERIOD,
+                 period_cost: float | None = None, max_period: int = MAX_PERIOD, overlap: int = 0,
                  **reducer_options):
         from ..ddp import start_in_sync
         from ..reducers.registry import make_reducer
@@ -182,6 +189,7 @@ class DiLoCo:
             raise ValueError(f"sync_every must be a positive integer or 'auto', got {sync_every!r}")
         if not auto and period_cost is not None:
             raise ValueError("period_cost applies to sync_every='auto' only")
+        self.overlap = Overlap(check_overlap(overlap, sync_every, reducer))
         self.comm = comm = _as_comm(comm, module)
         if outer_optimizer is not None:
             given = [k for k, v in (("outer_lr", outer_lr), ("outer_momentum", outer_momentum)) if v is not None]
@@ -212,7 +220,9 @@ class DiLoCo:
         by_kind: dict = {}
         for _, p in named:
             by_kind.setdefault((p.device, p.dtype), []).append(p)
-        self.groups = [_Group(ps, make_reducer(reducer, comm, density=density, **reducer_options))
+        # with overlap the exchange has a process group of its own (it runs beside the caller's collectives)
+        on = comm.split([list(range(comm.world_size))]) if self.overlap.steps else comm
+        self.groups = [_Group(ps, make_reducer(reducer, on, density=density, **reducer_options))
                        for ps in by_kind.values()]
         if outer_optimizer is None:
             mom = self.outer_momentum
@@ -249,18 +259,42 @@ class DiLoCo:
         if self.auto_period is not None and self._last_end is not None:
             self.auto_period.step(t1 - self._last_end)  # forward, backward and inner step since the last call
         self.inner_step += 1
-        if self.inner_step < self.sync_every:
-            self.last_stats = {"synced": False, "outer_step": self.outer_step, "inner_s": t1 - t0, "outer_s": 0.0,
-                               "select_s": 0.0, "comm_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
-                               "selected": 0, "numel": self.numel, "density": 0.0, "sync_every": self.sync_every}
-        else:
-            period = self.sync_every
-            self.sync()
-            if self.auto_period is not None:
-                self.sync_every = self.auto_period.choose(self.last_stats["outer_s"], self.outer_step)
-            self.last_stats.update(inner_s=t1 - t0, sync_every=period)
+        period = self.sync_every
+        self.last_stats = {"synced": False, "outer_step": self.outer_step, "outer_s": 0.0,
+                           "select_s": 0.0, "comm_s": 0.0, "bytes_sent": 0, "bytes_received": 0,
+                           "selected": 0, "numel": self.numel, "density": 0.0}
+        if self.overlap.due():
+            self._finish_overlapped()
+        if self.inner_step >= self.sync_every:
+            if self.overlap.steps:
+                launch_s = self.overlap.launch(self.groups, self._reduce)
+                self.inner_step = 0
+                self.last_stats.update(launched=True, outer_s=self.last_stats["outer_s"] + launch_s)
+            else:
+                self.sync()
+                if self.auto_period is not None:
+                    self.sync_every = self.auto_period.choose(self.last_stats["outer_s"], self.outer_step)
+        self.last_stats.update(inner_s=t1 - t0, sync_every=period)
         self._last_end = time.perf_counter()
         return loss
+
+    @property
+    def in_sync(self) -> bool:
+        """Whether every rank holds the same parameters now (right after a blocking outer step)."""
+        return self.inner_step == 0 and self.overlap.pending is None
+
+    def flush(self) -> None:
+        """Apply an exchange still in flight now (``overlap``; nothing otherwise), e.g. after the last step."""
+        if self.overlap.pending is not None:
+            self._finish_overlapped()
+
+    def _finish_overlapped(self) -> None:
+        t0 = time.perf_counter()
+        stats, wait_s = self.overlap.finish(self.groups, self._outer_step)
+        self.outer_step += 1
+        self.last_stats.update(synced=True, outer_step=self.outer_step, wait_s=wait_s,
+                               outer_s=self.last_stats.get("outer_s", 0.0) + time.perf_counter() - t0,
+                               density=stats["selected"] / max(1, self.numel), **stats)
 
     @property
     def numel(self) -> int:
@@ -271,14 +305,34 @@ class DiLoCo:
         """The outer synchronisation now (``step`` calls it every ``sync_every`` calls): reduce the
         pseudo-gradient, average, one outer optimizer step from the shared parameters with the average
         as ``.grad``; its result is the new shared parameters. The parameters' ``.grad`` are restored."""
+        self.flush()
         t0 = time.perf_counter()
+        for g in self.groups:
+            g.pseudo_gradient()
+        stats = self._reduce()
+        self._outer_step()
+        self.inner_step = 0
+        self.outer_step += 1
+        self.last_stats = {"synced": True, "outer_step": self.outer_step, "outer_s": time.perf_counter() - t0,
+                           "numel": self.numel, "density": stats["selected"] / max(1, self.numel), **stats}
+
+    @torch.no_grad()
+    def _reduce(self, started: list | None = None) -> dict:
+        """Every group's pseudo-gradient (in ``pseudo``) reduced, its mean in ``average``; the summed stats.
+        ``started``: the groups' futures of ``reducer.start`` (overlap), waited for here."""
         P = self.comm.world_size
         stats = {"select_s": 0.0, "comm_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "selected": 0}
-        for g in self.groups:
-            out = g.reducer.reduce(g.pseudo_gradient())
+        for i, g in enumerate(self.groups):
+            out = g.reducer.reduce(g.pseudo) if started is None else started[i].wait()
             torch.div(out, P, out=g.average)
             for k in stats:
                 stats[k] += g.reducer.stats.get(k, 0) or 0
+        return stats
+
+    @torch.no_grad()
+    def _outer_step(self) -> None:
+        """The outer optimizer's step from the shared parameters with ``average`` as ``.grad``; its result
+        becomes the shared parameters and the module's. The parameters' ``.grad`` are restored."""
         inner_grads = [p.grad for g in self.groups for p in g.params]  # the inner optimizer's, put back below
         try:
             for g in self.groups:
@@ -290,18 +344,16 @@ class DiLoCo:
                 p.grad = grad
         for g in self.groups:
             g.read_back()
-        self.inner_step = 0
-        self.outer_step += 1
-        self.last_stats = {"synced": True, "outer_step": self.outer_step, "outer_s": time.perf_counter() - t0,
-                           "numel": self.numel, "density": stats["selected"] / max(1, self.numel), **stats}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         """The world size and rank, shared parameters, the outer optimizer's ``state_dict()``, the cycle
         position and the reducers' states: tensors and plain data (no process group); the shared
-        parameters and the outer optimizer's state are copies, not the live tensors."""
+        parameters and the outer optimizer's state are copies, not the live tensors. With ``overlap`` an
+        exchange in flight is waited for and saved with its result (``in_flight``)."""
+        in_flight = self.overlap.state_dict(self.groups)  # first: the reducers' states are final only then
         return {"format": STATE_FORMAT, "world_size": self.comm.world_size, "rank": self.comm.rank,
-                "reducer": self.reducer_name,
+                "reducer": self.reducer_name, "in_flight": in_flight,
                 "sync_every": "auto" if self.auto_period is not None else self.sync_every,
                 "period": None if self.auto_period is None else self.auto_period.state_dict(),
                 "inner_step": self.inner_step, "outer_step": self.outer_step,
@@ -332,6 +384,7 @@ class DiLoCo:
         with torch.no_grad():
             for s, g in zip(d["shared"], self.groups):
                 g.shared.copy_(s)
+        self.overlap.load_state_dict(d.get("in_flight"), self.groups)
         self.inner_step, self.outer_step = d["inner_step"], d["outer_step"]
         if self.auto_period is not None:
             self.auto_period.load_state_dict(d["period"])
@@ -363,7 +416,7 @@ class DiLoCo:
         if d.get("sync_every") != mine or d.get("reducer") != self.reducer_name:
             raise ValueError(f"DiLoCo state of sync_every={d.get('sync_every')}, reducer={d.get('reducer')!r} "
                              f"cannot be loaded into sync_every={mine}, reducer={self.reducer_name!r}")
-        period = self._check_period(d.get("period")) if self.auto_period is not None else self.sync_every
+        period = self.auto_period.check_state(d.get("period")) if self.auto_period is not None else self.sync_every
         shared = d.get("shared")
         if (not isinstance(shared, list) or len(shared) != len(self.groups)
                 or any(not isinstance(s, torch.Tensor) or s.shape != g.shared.shape or s.dtype != g.shared.dtype
@@ -385,20 +438,8 @@ class DiLoCo:
             raise ValueError(f"DiLoCo state: {n} reducer states for {len(self.groups)} parameter groups")
         for r, g in zip(reducers, self.groups):
             check_reducer_state(g.reducer, r)
+        self.overlap.check_state(d.get("in_flight"), self.groups)
         return opt_state
-
-    def _check_period(self, ps) -> int:
-        """``sync_every="auto"``: the period in a state (checked with its measurements)."""
-        def numbers(v):
-            return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
-
-        p = ps.get("period") if isinstance(ps, dict) else None
-        if (isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= self.auto_period.max_period
-                or not numbers(ps.get("steps")) or not numbers(ps.get("syncs"))
-                or not isinstance(ps.get("history"), list)):
-            raise ValueError(f"DiLoCo state: the automatic period must hold period (an integer in [1, "
-                             f"{self.auto_period.max_period}]) and the lists steps, syncs, history; got {p!r}")
-        return p
 
     # the names SparseDDP uses for its own sparsync state (the trainer checkpoints either the same way)
     sparsync_state_dict = state_dict

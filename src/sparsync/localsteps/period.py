@@ -100,6 +100,19 @@ class AutoPeriod:
         return {"period": self.period, "steps": list(self.steps), "syncs": list(self.syncs),
                 "history": list(self.history), "cost": self.cost, "max_period": self.max_period}
 
+    def check_state(self, d) -> int:
+        """The period in a saved state (checked with its measurements); a one-line ValueError otherwise."""
+        def numbers(v):
+            return isinstance(v, list) and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v)
+
+        p = d.get("period") if isinstance(d, dict) else None
+        if (isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= self.max_period
+                or not numbers(d.get("steps")) or not numbers(d.get("syncs"))
+                or not isinstance(d.get("history"), list)):
+            raise ValueError(f"DiLoCo state: the automatic period must hold period (an integer in [1, "
+                             f"{self.max_period}]) and the lists steps, syncs, history; got {p!r}")
+        return p
+
     def load_state_dict(self, d: dict) -> None:
         self.period = int(d["period"])
         self.steps, self.syncs = [float(x) for x in d["steps"]], [float(x) for x in d["syncs"]]

@@ -9,8 +9,9 @@ Two kinds of run (``TrainConfig.local_steps``, compare syntax in :mod:`sparsync.
   ``nesterov``, the default, ``sgd`` or ``adam``), ``outer_lr`` / ``outer_momentum`` (defaults by the
   run's optimizer and reducer, :func:`~.outer.default_outer`: 0.7 / 0.9 for SGD, 1 / 0 for Adam and AdamW,
   the world size / 0 for ``sparseloco`` under Adam and AdamW; ``adam``
-  needs ``outer_lr``) and the run's reducer options; ``sync_every="auto"`` chooses H
-  as it goes (:mod:`.period`, options ``period_cost`` and ``max_period``).
+  needs ``outer_lr``), ``overlap`` (inner steps the exchange runs beside, :mod:`.overlap`) and the run's
+  reducer options; ``sync_every="auto"`` chooses H as it goes (:mod:`.period`, options ``period_cost``
+  and ``max_period``).
 
 The training loop keeps its shape: it calls ``opt.zero_grad()``, ``fwd(x)``, ``backward()``,
 ``opt.step()``; for DiLoCo ``opt.step()`` is ``DiLoCo.step`` (so the outer synchronisation is timed in
@@ -21,6 +22,7 @@ as the run's sparsync state, ``last_stats`` read per step) the :class:`~.diloco.
 from __future__ import annotations
 
 from .outer import default_outer
+from .overlap import check_overlap
 from .postlocal import bytes_per_rank, parse_period
 
 __all__ = ["DEFAULT_WARMUP", "DILOCO_KEYS", "LOCAL_KEYS", "OUTER_KINDS", "check", "is_diloco", "is_local",
@@ -35,7 +37,7 @@ PERIOD_KEYS = ("period_cost", "max_period")
 #: the outer optimizers a row may name (``outer=``; not written to the configuration unless given)
 OUTER_KINDS = ("nesterov", "sgd", "adam")
 #: every key a compare configuration may give for local steps
-LOCAL_KEYS = (*DILOCO_KEYS, *PERIOD_KEYS, "outer", "warmup")
+LOCAL_KEYS = (*DILOCO_KEYS, *PERIOD_KEYS, "outer", "overlap", "warmup")
 
 
 def outer_optimizer(kind: str, params, lr: float, momentum: float):
@@ -76,10 +78,10 @@ def check(cfg) -> None:
         return
     if not ls:
         return
-    bad = sorted(set(ls) - set(DILOCO_KEYS) - set(PERIOD_KEYS) - {"outer"})
+    bad = sorted(set(ls) - set(DILOCO_KEYS) - set(PERIOD_KEYS) - {"outer", "overlap"})
     if bad:
         raise ValueError(f"local steps (DiLoCo) have no option {', '.join(bad)}; valid: "
-                         f"{', '.join((*DILOCO_KEYS, *PERIOD_KEYS, 'outer'))}")
+                         f"{', '.join((*DILOCO_KEYS, *PERIOD_KEYS, 'outer', 'overlap'))}")
     kind = ls.get("outer", "nesterov")
     if kind not in OUTER_KINDS:
         raise ValueError(f"outer must be one of {', '.join(OUTER_KINDS)}, got {kind!r}")
@@ -106,6 +108,7 @@ def check(cfg) -> None:
     H = ls["sync_every"]
     if H != "auto" and (isinstance(H, bool) or not isinstance(H, int) or H < 1):
         raise ValueError(f"sync_every must be a positive integer or auto, got {H!r}")
+    check_overlap(ls.get("overlap", 0), H, cfg.reducer)
     given = sorted(k for k in PERIOD_KEYS if k in ls)
     if given and H != "auto":
         raise ValueError(f"{', '.join(given)} apply to sync_every=auto only")
@@ -131,7 +134,8 @@ def label(cfg, base: str) -> str:
     kind = "" if ls.get("outer", "nesterov") == "nesterov" else ls["outer"] + " "
     outer = f"outer {kind}{ls.get('outer_lr', 0.7):g}/{ls.get('outer_momentum', 0.9):g}"
     half = ", fp16 values" if default_reducer_options(cfg.reducer, cfg.reducer_options) != cfg.reducer_options else ""
-    return f"DiLoCo H={ls['sync_every']} {outer}{half}, {base}"
+    lag = f", overlap {ls['overlap']}" if ls.get("overlap") else ""
+    return f"DiLoCo H={ls['sync_every']}{lag} {outer}{half}, {base}"
 
 
 class _StepThrough:
@@ -174,7 +178,7 @@ def wrap(cfg, model, comm, inner):
     outer = ({"outer_lr": lr, "outer_momentum": mom} if kind == "nesterov" else
              {"outer_optimizer": outer_optimizer(kind, [p for p in model.parameters() if p.requires_grad], lr, mom)})
     dl = DiLoCo(model, comm, inner, sync_every=ls["sync_every"], reducer=cfg.reducer, density=cfg.density,
-                **outer, **{k: ls[k] for k in PERIOD_KEYS if k in ls}, **cfg.reducer_options)
+                **outer, **{k: ls[k] for k in (*PERIOD_KEYS, "overlap") if k in ls}, **cfg.reducer_options)
     return model, dl, _StepThrough(dl)
 
 

@@ -21,7 +21,8 @@ Per rank and call:
 4. one message per rank - chunk-local indices packed in ``log2(chunk)`` bits, the codes packed, the
    table - all-gathered (every rank's message has the same size: no count round), decoded by every
    rank and summed in rank order (one ``index_add_`` per rank, in fp32 for a half-precision gradient,
-   as ``topka`` does), so ``out`` is bitwise identical on every rank.
+   as ``topka`` does), so ``out`` is bitwise identical on every rank. One collective: :meth:`start`
+   posts it and returns a future of the same sum (``staged``; DiLoCo's ``overlap`` uses it).
 
 Cost: the all-gather ring, ``P - 1`` rounds and ``(P - 1) m`` bytes received for a message of ``m``
 bytes (:func:`~sparsync.select.quantise.payload_bytes`): at 4096 / 64 / 2 bits, 2.25 bytes per sent
@@ -70,7 +71,27 @@ class SparseLoCoReducer(Reducer):
     def _width(self, n: int) -> int:
         return bits_for(min(self.chunk, n))
 
+    #: one collective, the all-gather of equal-size messages: :meth:`start` posts it without waiting
+    staged = True
+
     def _reduce(self, grad):
+        msg, sum_of = self._encode(grad)
+        with self.timed("comm"):
+            parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
+        return sum_of(parts)
+
+    def _start(self, grad):
+        msg, sum_of = self._encode(grad)
+        P = self.comm.world_size
+        if P == 1:
+            fut = torch.futures.Future()
+            fut.set_result(msg)
+        else:
+            fut = self.comm.allgather_into_async(msg, msg.new_empty(P * msg.numel()))
+        return fut.then(lambda f: sum_of(list(f.value().view(P, -1))))  # the same messages, the same sum
+
+    def _encode(self, grad):
+        """Steps 1-3: this rank's message, and the function that sums the ranks' messages (step 4)."""
         n, bits, width = self.numel, self.value_bits, self._width(self.numel)
         with self.timed("select"):
             acc = self.memory.add(grad)
@@ -80,12 +101,15 @@ class SparseLoCoReducer(Reducer):
             msg, dec = encode_message(local, width, vals, bits)
             self.memory.keep(acc, idx, dec, acc_vals=vals)  # the residual keeps what the decode did not carry
         self.stats["selected"] = count = idx.numel()
-        with self.timed("comm"):
-            parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
-        with self.timed("select"):
-            out = self.zeros_output(n, torch.promote_types(acc.dtype, torch.float32), acc.device)
-            # the chunks' starts are the same on every rank (fixed counts per chunk)
-            return sum_messages(parts, count, width, bits, out, chunk=self.chunk, k=self.k_chunk)
+        dtype, device = torch.promote_types(acc.dtype, torch.float32), acc.device
+
+        def sum_of(parts):
+            with self.timed("select"):
+                out = self.zeros_output(n, dtype, device)
+                # the chunks' starts are the same on every rank (fixed counts per chunk)
+                return sum_messages(parts, count, width, bits, out, chunk=self.chunk, k=self.k_chunk)
+
+        return msg, sum_of
 
     @classmethod
     def predicted_cost(cls, P, n, k=None, chunk=4096, value_bits=2, density=None, **_):

@@ -293,7 +293,7 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
                 rec["inter_rate_bits"] = rates[step]  # the emulated rate changed before this step
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 train_time = rec["time_s"] = clock.slowest(comm, train_time)  # the slowest rank's clock
-                in_sync = getattr(ddp, "inner_step", None) == 0  # DiLoCo right after its synchronisation
+                in_sync = getattr(ddp, "in_sync", False)  # DiLoCo right after a blocking synchronisation
                 ev = clock.evaluate_once(wl, clock.kept_model(model, comm, local_steps, in_sync), comm)
                 rec["accuracy"], rec["test_loss"] = ev["accuracy"], ev["loss"]
                 if "perplexity" in ev:
