@@ -38,13 +38,13 @@ def _batch(rank, step):
     return torch.randn(8, 16, generator=g)
 
 
-def _train(comm, mode, steps, big, options):
+def _train(comm, mode, steps, big, options, reducer="dense"):
     """``mode``: futures (the staged path), thread (the FIFO thread), sync, plain (torch DDP, no hook)."""
     cap = 25 if big else 0.002  # small: several buckets, rebuilt after the first iteration
     model = nn.parallel.DistributedDataParallel(_net(big), bucket_cap_mb=cap)
     hook = None
     if mode != "plain":
-        hook = ss.ddp_hook("dense", module=model, asynchronous=mode != "sync", **options)
+        hook = ss.ddp_hook(reducer, module=model, asynchronous=mode != "sync", **options)
         if mode == "thread":
             hook._staged = False  # the FIFO-thread path every multi-collective reducer takes
         model.register_comm_hook(None, hook)
@@ -68,8 +68,21 @@ def _train(comm, mode, steps, big, options):
     return out
 
 
-def _paths(comm, steps, big, options):
-    return {mode: _train(comm, mode, steps, big, options) for mode in ("futures", "thread", "sync", "plain")}
+def _paths(comm, steps, big, options, reducer="dense", modes=("futures", "thread", "sync", "plain")):
+    return {mode: _train(comm, mode, steps, big, options, reducer) for mode in modes}
+
+
+@pytest.mark.gloo
+def test_sparseloco_on_the_futures_path_is_bitwise_the_thread_and_sync_paths():
+    """sparseloco is staged (one all-gather of equal-size messages): the hook posts it from the hook
+    call, and the gradients, parameters and ledgers equal those of the FIFO-thread and synchronous paths."""
+    options = {"density": 4 / 64, "chunk": 64, "value_bits": 2}
+    for got in ss.run_local(_paths, 3, 4, False, options, "sparseloco", ("futures", "thread", "sync"),
+                            backend="gloo", timeout=120):
+        fut, thr, syn = got["futures"], got["thread"], got["sync"]
+        assert not fut["worker"] and thr["worker"]
+        assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(fut["grads"], thr["grads"], syn["grads"]))
+        assert torch.equal(fut["params"], syn["params"]) and fut["ledger"] == syn["ledger"] == thr["ledger"]
 
 
 @pytest.mark.gloo

@@ -185,3 +185,29 @@ def test_an_exchange_in_flight_is_refused_by_a_diloco_without_overlap():
     with pytest.raises(ValueError, match="overlap=0"):
         dlb.load_state_dict(state)
 
+
+
+def _flushed(comm):
+    torch.set_num_threads(1)
+    model = _Linear()
+    dl = ss.DiLoCo(model, comm, torch.optim.SGD(model.parameters(), lr=LR), sync_every=H, outer_lr=1.0,
+                   outer_momentum=0.0, overlap=H)
+    for step in range(H):
+        c = _coeff(step, comm.rank)
+        dl.zero_grad()
+        (model.w * c[:12].view(3, 4)).sum().add((model.b * c[12:]).sum()).backward()
+        dl.step()
+    before = _flat(model)
+    flushed, again = dl.flush(), dl.flush()
+    return before, _flat(model), flushed, again, dl.in_sync
+
+
+def test_flush_applies_the_exchange_in_flight():
+    """Right after an exchange starts (no step since), ``flush()`` applies it: every rank then holds the
+    average of the ranks' parameters before it (plain averaging) and ``in_sync`` says so; a second flush
+    has nothing to apply."""
+    res = ss.run_local(_flushed, 4, backend="gloo", timeout=60)
+    mean = sum(r[0] for r in res) / 4
+    for before, after, flushed, again, in_sync in res:
+        assert flushed and not again and in_sync
+        assert torch.equal(after, mean) and not torch.equal(before, mean)

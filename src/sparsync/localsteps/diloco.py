@@ -280,13 +280,16 @@ class DiLoCo:
 
     @property
     def in_sync(self) -> bool:
-        """Whether every rank holds the same parameters now (right after a blocking outer step)."""
+        """Whether every rank holds the same parameters now: right after an outer step applied with no
+        inner step since and no exchange in flight."""
         return self.inner_step == 0 and self.overlap.pending is None
 
-    def flush(self) -> None:
-        """Apply an exchange still in flight now (``overlap``; nothing otherwise), e.g. after the last step."""
-        if self.overlap.pending is not None:
-            self._finish_overlapped()
+    def flush(self) -> bool:
+        """Apply an exchange still in flight now (``overlap``), e.g. after the last step; False when none was."""
+        if self.overlap.pending is None:
+            return False
+        self._finish_overlapped()
+        return True
 
     def _finish_overlapped(self) -> None:
         t0 = time.perf_counter()

@@ -330,6 +330,9 @@ def train_worker(comm, cfg_dict: dict, run_path: str | None, resume_info: dict |
             metrics_f.close()
     if cfg.final_checkpoint and end > start:  # a checkpoint is named by the step whose state it holds
         checkpoint(end)
+    flush = getattr(ddp, "flush", None)  # DiLoCo with overlap: no exchange left in flight at exit
+    if callable(flush):
+        flush()
     _close(ddp)
     summary = summarize(cfg, rows if rd is None else RunDir(run_path).metrics() if rank == 0 else rows,
                         evals, time_to_target, train_time, numel, n_heldout=int(wl.y_test.shape[0]))
