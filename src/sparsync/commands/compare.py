@@ -6,8 +6,8 @@ or ``ddp`` / ``ddp-fp16`` (torch's DDP, plain / fp16 compression hook), ``merge=
 plan, ``momentum=``, ``nesterov=``, ``masking=``, ``warmup_steps=``, ``warmup_start=``, ``clip=`` are convergence
 options (:mod:`sparsync.convergence`; they override the ``--momentum-correction`` ... flags),
 ``delay=1`` is SparseDDP's delayed averaging (docs/engine.md), ``sync_every=H`` (with
-``outer_lr=``, ``outer_momentum=``) runs the reducer as DiLoCo's pseudo-gradient exchange every H
-steps (``diloco:H`` = ``dense,sync_every=H``; docs/localsteps.md), ``adam_freeze=N`` makes the row's
+``outer=``, ``outer_lr=``, ``outer_momentum=``, ``overlap=``) runs the reducer as DiLoCo's pseudo-gradient
+exchange every H steps (``diloco:H`` = ``dense,sync_every=H``; docs/localsteps.md), ``adam_freeze=N`` makes the row's
 AdamW freeze its second moment after N steps (:mod:`sparsync.adam`), and any other key is a reducer
 option. ``ddp-localsgd<H>[,warmup=N]`` is torch's post-local SGD averaging every H steps,
 ``ddp-powersgd1`` / ``ddp-powersgd4`` are torch's PowerSGD hook and
