@@ -114,9 +114,9 @@ class _Group:
         for p, s in zip(self.params, self.views(self.shared)):
             p.detach().copy_(s.view_as(p))
 
-    def read_back(self) -> None:
-        """Set the shared parameters to the module's."""
-        for p, s in zip(self.params, self.views(self.shared)):
+    def read_back(self, into: torch.Tensor | None = None) -> None:
+        """Copy the module's parameters into the flat ``into`` (default: the shared parameters)."""
+        for p, s in zip(self.params, self.views(self.shared if into is None else into)):
             s.copy_(p.detach().reshape(-1))
 
     def set_grads(self) -> None:

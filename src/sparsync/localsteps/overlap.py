@@ -44,7 +44,7 @@ import torch
 __all__ = ["Overlap", "check_overlap"]
 
 
-def check_overlap(overlap, sync_every, reducer: str = "dense") -> int:
+def check_overlap(overlap, sync_every, reducer: str) -> int:
     """``overlap`` as an int in [0, H] (0: no overlap) for a staged ``reducer``; a one-line ValueError
     otherwise (an unknown reducer name raises the registry's error)."""
     if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
@@ -102,8 +102,7 @@ class Overlap:
             self.anchors = [torch.empty_like(g.shared) for g in groups]
         for g, a in zip(groups, self.anchors):
             g.pseudo_gradient()
-            for p, v in zip(g.params, g.views(a)):
-                v.copy_(p.detach().reshape(-1))
+            g.read_back(into=a)
         started = [g.reducer.start(g.pseudo) for g in groups]
         self.pending, self.since = _Exchange(lambda: finish(started)), 0
         return time.perf_counter() - t0
