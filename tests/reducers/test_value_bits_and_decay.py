@@ -1,7 +1,7 @@
 """``ef_decay`` in every buffer form of :class:`ErrorFeedback` and on ``micro`` / ``block_allgather`` /
-``blocksparse`` (the decayed law exactly), and the ``value_bits`` / ``ef_decay`` options of ``topka``:
-today's bits when left at their defaults, SparseLoCo's exchange at one chunk when set, conservation up to
-fp32 rounding, the ledger against its formula, every rank alike."""
+``blocksparse`` (the decayed law exactly), and the ``value_bits`` / ``ef_decay`` options of ``topka``,
+``block_allgather`` and ``micro``: today's bits when left at their defaults, SparseLoCo's exchange at one chunk when set,
+conservation up to fp32 rounding, the ledger against its formula, every rank alike."""
 
 import pytest
 import torch
@@ -9,6 +9,8 @@ import torch
 import sparsync as ss
 from diloco_helpers import run_steps
 from sparsync.reducers.memory import ErrorFeedback, sum_checked
+from sparsync.reducers.blocksparse import BlockAllgatherReducer
+from sparsync.reducers.micro import MicroReducer
 from sparsync.reducers.topka import TopkAReducer
 from sparsync.select.quantise import bits_for, decode_message, encode_message, payload_bytes
 
@@ -87,6 +89,11 @@ def test_message_codec_round_trip_and_size(bits):
     assert torch.equal(w, where) and torch.equal(v, dec)
     if bits == 32:
         assert torch.equal(dec, vals)
+    blocks = torch.randn(77 * 5, generator=g)  # five values per position (a block's)
+    msg, dec = encode_message(where, bits_for(N), blocks, bits)
+    assert msg.numel() == payload_bytes(77, bits_for(N), bits, per=5)
+    w, v = decode_message(msg, 77, bits_for(N), bits, per=5)
+    assert torch.equal(w, where) and torch.equal(v, dec.to(torch.float32))
 
 
 def _pair(comm, a_opts, b_name, b_opts, steps=3, dtype=torch.float32):
@@ -158,6 +165,108 @@ def test_topka_bad_options_are_one_line_errors(opts, msg):
     assert len(str(e.value).splitlines()) == 1
 
 
+def _blocks(comm, opts, steps=3):
+    r = ss.make_reducer("block_allgather", comm, density=0.1, block_size=16, **opts)
+    g = torch.Generator().manual_seed(30 + comm.rank)
+    rows = []
+    for _ in range(steps):
+        x = torch.randn(N, generator=g)  # N = 62.5 blocks: the short last block is in play
+        before = None if r.residual is None else r.residual.clone()
+        rows.append((x, before, r.reduce(x.clone()).clone(), r.residual.clone(), dict(r.stats)))
+    return rows, r.conserving
+
+
+def test_block_allgather_at_32_bits_is_todays_bit_for_bit():
+    for (a, ca), (b, cb) in zip(ss.run_local(_blocks, 3, {"value_bits": 32}, backend="thread"),
+                                ss.run_local(_blocks, 3, {}, backend="thread")):
+        assert ca and cb
+        for ra, rb in zip(a, b):
+            assert torch.equal(ra[2], rb[2]) and torch.equal(ra[3], rb[3])
+
+
+@pytest.mark.parametrize("bits,decay", [(2, 0.95), (4, 1.0), (8, 0.9), (16, 1.0)])
+def test_block_allgather_packed_conserves_is_the_same_on_every_rank_and_counts_its_bytes(bits, decay):
+    P, bs = 3, 16
+    res = ss.run_local(_blocks, P, {"value_bits": bits, "ef_decay": decay}, backend="thread")
+    K = round(0.1 * -(-N // bs))
+    want = BlockAllgatherReducer.predicted_cost(P, N, K * bs, block_size=bs, value_bits=bits)
+    values = 2 * K * bs if bits == 16 else -(-K * bs * bits // 8) + (4 << bits)
+    assert want == {"rounds": P - 1, "bytes_received": (P - 1) * (-(-K * 6 // 8) + values)}
+    assert not any(c for _, c in res)
+    for s in range(3):
+        out = res[0][0][s][2]
+        assert all(torch.equal(res[w][0][s][2], out) for w in range(P))
+        fed = sum(res[w][0][s][0] + (0 if res[w][0][s][1] is None else decay * res[w][0][s][1]) for w in range(P))
+        kept = sum(res[w][0][s][3] for w in range(P))
+        assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        st = res[0][0][s][4]
+        assert st["rounds"] == want["rounds"] and st["bytes_received"] == want["bytes_received"]
+
+
+def _micro(comm, opts, steps=4):
+    r = ss.make_reducer("micro", comm, density=0.02, **opts)
+    g = torch.Generator().manual_seed(40 + comm.rank)
+    rows = []
+    for _ in range(steps):
+        x = torch.randn(5 * N, generator=g)
+        before = None if r.residual is None else r.residual.clone()
+        rows.append((x, before, r.reduce(x.clone()).clone(), r.residual.clone(), dict(r.stats)))
+    return rows, (r.conserving, r.values, r.indices)
+
+
+def test_micro_at_32_bits_is_todays_bit_for_bit():
+    for (a, fa), (b, fb) in zip(ss.run_local(_micro, 3, {"value_bits": 32}, backend="thread"),
+                                ss.run_local(_micro, 3, {}, backend="thread")):
+        assert fa == fb == (True, "owner", "plain")
+        for ra, rb in zip(a, b):
+            assert torch.equal(ra[2], rb[2]) and torch.equal(ra[3], rb[3])
+
+
+@pytest.mark.parametrize("bits,decay", [(2, 0.95), (4, 1.0), (8, 0.9), (16, 1.0)])
+def test_micro_coded_values_conserve_are_the_same_on_every_rank_and_count_their_bytes(bits, decay):
+    """Below 16 bits the values travel coded on the gather path (block16 indices); 16 bits is fp16 values."""
+    P = 4
+    res = ss.run_local(_micro, P, {"value_bits": bits, "ef_decay": decay}, backend="thread")
+    assert all(f == ((False, "gather", "block16") if bits < 16 else (True, "owner", "block16")) for _, f in res)
+    for s in range(4):
+        out = res[0][0][s][2]
+        assert all(torch.equal(res[w][0][s][2], out) for w in range(P))
+        fed = sum(res[w][0][s][0] + (0 if res[w][0][s][1] is None else decay * res[w][0][s][1]) for w in range(P))
+        kept = sum(res[w][0][s][3] for w in range(P))
+        assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        counts = [res[w][0][s][4]["local_selected"] for w in range(P)]
+        for w in range(P):
+            want = MicroReducer.predicted_cost(P, 5 * N, round(0.02 * 5 * N), counts=counts, value_bits=bits,
+                                               data_window=s < 2, rank=w)
+            st = res[w][0][s][4]
+            assert (st["rounds"], st["bytes_received"]) == (want["rounds"], want["bytes_received"])
+    if bits < 16:  # against fp32 values on the same path: the values' bytes are codes and a table per peer
+        K, at = sum(counts), dict(counts=counts, values="gather", indices="block16")
+        coded = MicroReducer.predicted_cost(P, 5 * N, 0, value_bits=bits, **at)["bytes_received"]
+        plain = MicroReducer.predicted_cost(P, 5 * N, 0, value_bits=32, **at)["bytes_received"]
+        assert coded - plain == (P - 1) * (-(-K * bits // 8) + (4 << bits) - 4 * K)
+
+
+def test_micro_coded_values_need_the_gather_path():
+    with pytest.raises(ValueError, match="micro: value_bits=2 needs values='gather'") as e:
+        ss.run_local(lambda comm: ss.make_reducer("micro", comm, value_bits=2, values="owner"), 1, backend="thread")
+    assert len(str(e.value).splitlines()) == 1
+
+
+def _gloo_coded(comm, name):
+    if name == "micro":
+        return [row[2] for row in _micro(comm, {"value_bits": 2, "ef_decay": 0.95}, 2)[0]]
+    return [row[2] for row in _blocks(comm, {"value_bits": 2, "ef_decay": 0.95}, 2)[0]]
+
+
+@pytest.mark.gloo
+@pytest.mark.parametrize("name", ["block_allgather", "micro"])
+def test_coded_values_ranks_bitwise_equal_on_gloo(name):
+    res = ss.run_local(_gloo_coded, 3, name, backend="gloo", timeout=60)
+    for s in range(2):
+        assert all(torch.equal(r[s], res[0][s]) for r in res)
+
+
 def _diloco(comm, opts):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
@@ -187,11 +296,11 @@ def _make(comm, name, density, options):
     return ss.make_reducer(name, comm, density, **options)
 
 
-def test_a_compare_config_passes_value_bits_to_sparseloco_and_topka():
+def test_a_compare_config_passes_value_bits_to_every_all_gather_reducer():
     from sparsync.commands.compare import parse_configs
     from sparsync.reducers.registry import load_all
 
-    for name in ("sparseloco", "topka"):
+    for name in ("sparseloco", "topka", "micro", "block_allgather"):
         (c,) = parse_configs(f"{name}:0.0156,sync_every=4,value_bits=2,ef_decay=0.9", 0.01, "single")
         assert c["reducer"] == name and c["density"] == 0.0156 and c["local"] == {"sync_every": 4}
         assert c["options"] == {"value_bits": 2, "ef_decay": 0.9}

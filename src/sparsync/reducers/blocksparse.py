@@ -43,6 +43,17 @@ Dense path (every rank sends exactly ``K`` blocks: fixed size, plain ``allgather
 Embedding path: row counts differ per rank → ``allgatherv`` (padded to the largest; counts as
 unrecorded headers). One fused all-gather instead of torch's two saves ``P-1`` latencies, same bytes.
 
+``value_bits`` (2, 4, 8, 16; 32 / None: the above, bit for bit) on the dense path, as in ``topka`` and
+``sparseloco`` (SparseLoCo, Sarfi et al., arXiv 2508.15706, 2025): the ``K`` block ids packed in
+``w = ceil(log2 b)`` bits, then the ``K x block_size`` values as codes with a per-tensor table of bin
+means (:func:`~sparsync.select.quantise.encode_message`) or fp16; the residual keeps each value minus its
+decode (error feedback: conservation up to fp32 rounding, so not ``conserving``). With
+``m = ceil(K w / 8) + ceil(K block_size bits / 8) + 4 * 2^bits`` (``2 K block_size`` for 16 bits)::
+
+    rounds = P - 1,   bytes_received = (P-1) m
+
+The embedding path (no error feedback there) sends its values as they are.
+
 Summation orders are canonical (rank order / the all-reduce's), so outputs are bitwise identical on
 every rank.
 """
@@ -54,9 +65,11 @@ import math
 import torch
 
 from ..select.blocks import num_blocks
+from ..select.quantise import bits_for, check_value_bits, decode_message, encode_message, payload_bytes
 from ..sketch import block_bitmap, blocks_from_bitmap
 from ..sparse import index_dtype_for
 from .blockbase import BlockReducer
+from .capabilities import OptionFact
 from .registry import register
 
 __all__ = ["BlockAllgatherReducer", "BlockSparseReducer"]
@@ -119,7 +132,18 @@ class BlockSparseReducer(BlockReducer):
 class BlockAllgatherReducer(BlockReducer):
     """All-gather of every rank's (block ids, block values), summed in rank order (PyTorch's way)."""
 
+    #: not with decay (it sheds mass by design) nor packed values (a table's means round in fp32)
+    conserving = OptionFact(True, lambda r: r.ef_decay == 1.0 and not r.packed)
+
+    def __init__(self, comm, density: float = 0.01, value_bits: int | None = None, **rest):
+        super().__init__(comm, density=density, **rest)
+        self.value_bits = None if value_bits is None else check_value_bits(value_bits, self.name)
+        self.packed = self.value_bits is not None and self.value_bits < 32
+        self._sent = None  # (values, their decode) of the last packed step, for the residual
+
     def _communicate(self, ids, idx, vals, nblocks, block_size, numel, expected, dense_path=True):
+        if dense_path and self.packed:
+            return self._communicate_packed(ids, vals, nblocks, block_size, numel)
         dev = self.comm.device
         itype = index_dtype_for(nblocks)
         ib = torch.empty(0, dtype=itype).element_size()
@@ -137,9 +161,35 @@ class BlockAllgatherReducer(BlockReducer):
                     out.index_add_(0, rid, rv)
         return out.view(-1)[:numel]
 
+    def _communicate_packed(self, ids, vals, nblocks, block_size, numel):
+        """``value_bits`` < 32: one all-gather of equal-size packed messages, each decoded and added in
+        rank order (the same bits on every rank); the sent values' decode is kept for :meth:`_feedback`."""
+        bits, width, K = self.value_bits, bits_for(nblocks), ids.numel()
+        with self.timed("select"):
+            msg, dec = encode_message(ids, width, _padded_blocks(vals, K, block_size).reshape(-1), bits)
+            self._sent = (vals, dec[:vals.numel()])
+        with self.timed("comm"):
+            parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
+            out = torch.zeros(nblocks, block_size, dtype=torch.promote_types(vals.dtype, torch.float32),
+                              device=self.comm.device)
+            for m in parts:  # rank order: the same summation on every rank
+                where, v = decode_message(m, K, width, bits, per=block_size)
+                out.index_add_(0, where, v.view(K, block_size).to(out.dtype))
+        return out.view(-1)[:numel]
+
+    def _feedback(self, acc, idx):
+        if self._sent is None:
+            return super()._feedback(acc, idx)
+        vals, dec = self._sent
+        self._sent = None
+        self.memory.keep(acc, idx, dec, acc_vals=vals)  # the residual keeps the quantisation error
+
     @classmethod
-    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, block_size=256, **_):
-        """Ring all-gather of ``K`` block ids + ``K`` blocks per rank (dense path, fixed size)."""
+    def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, block_size=256, value_bits=None, **_):
+        """Ring all-gather of ``K`` block ids + ``K`` blocks per rank (dense path, fixed size); with
+        ``value_bits`` below 32 the packed message of the module docstring."""
         b = num_blocks(n, block_size)
         K = min(b, max(1, math.ceil(k / block_size)))
+        if value_bits is not None and value_bits < 32:
+            return {"rounds": P - 1, "bytes_received": (P - 1) * payload_bytes(K, bits_for(b), value_bits, block_size)}
         return {"rounds": P - 1, "bytes_received": (P - 1) * K * (index_bytes + block_size * value_bytes)}

@@ -13,9 +13,10 @@ step ``t`` rank ``r`` owns partition ``(t mod P + r) mod P``. Each rank
    :func:`sparsync.blockindex.gather_block16`),
 4. sums ``acc[idx_t]`` over ranks (``values``: ``"owner"`` - each union slice summed in rank order
    by its owner and sent back; ``"gather"`` - every rank sums every contribution in rank order;
-   ``"allreduce"`` - the paper's dense all-reduce of the values),
-5. keeps ``acc`` with ``idx_t`` cleared as its residual (conserving; half-precision values keep their
-   rounding error there too, except on the ``"allreduce"`` path), and
+   ``"allreduce"`` - the paper's dense all-reduce of the values; ``value_bits`` 2 / 4 / 8: ``"gather"`` of
+   each rank's values as codes with a per-tensor table, SparseLoCo's format, :mod:`sparsync.select.quantise`),
+5. keeps ``acc`` with ``idx_t`` cleared as its residual (conserving; half-precision and coded values keep
+   their rounding error there too, except on the ``"allreduce"`` path), and
 6. chooses the next threshold: by default (``rule="histogram"``) calibrated every step from one
    all-gather of per-rank counts at ``bins + 1`` candidate thresholds
    (:class:`sparsync.select.calibration.ThresholdWindow`); ``"adaptive"`` / ``"proportional"`` /
@@ -43,6 +44,7 @@ import torch
 
 from ..blockindex import block16_bytes, block16_pays, block_count, gather_block16
 from ..comm import gather_padded
+from ..select.quantise import check_value_bits, decode_values, encode_values
 from ..select.calibration import ThresholdWindow
 from ..select.threshold import (
     ThresholdController,
@@ -58,7 +60,7 @@ from ..select.threshold import (
     partitioned_threshold_select,
     threshold_indices,
 )
-from ..sparse import index_dtype_for
+from ..sparse import index_dtype_for, sum_in_rank_order
 from .base import IndexedSum, Reducer
 from .capabilities import OptionFact, wire_conserves
 from .memory import decay_memory
@@ -75,15 +77,6 @@ def value_path(values: str, P: int) -> str:
     if values == "auto":
         return "gather" if P <= 2 else "owner"
     return values
-
-
-def rank_order_sum(parts: list[torch.Tensor], dtype) -> torch.Tensor:
-    """``parts[0] + parts[1] + ...`` in ``dtype`` (a new tensor), added in list order: every rank that
-    adds the same parts in the same order holds the same bits (the owner's and the gathered sums)."""
-    total = parts[0].to(dtype, copy=True)
-    for x in parts[1:]:
-        total += x
-    return total
 
 
 def check_cap_factor(cap_factor):
@@ -108,7 +101,7 @@ class MicroReducer(Reducer):
     reuse_buffers = OptionFact(True, lambda r: r._reuse_buffers)  # the option of that name
     indexed_output = True  # _reduce returns an IndexedSum (base.reduce densifies unless asked not to)
     #: ``ef_decay`` below 1 sheds the residual's mass by design (SparseLoCo's error feedback)
-    conserving = OptionFact(True, lambda r: r.ef_decay == 1.0 and wire_conserves(r))
+    conserving = OptionFact(True, lambda r: r.ef_decay == 1.0 and not r.packed and wire_conserves(r))
 
     def __init__(self, comm, density: float = 0.01, threshold: float | None = None,
                  rule: str = "histogram", spread: float = 1.1, max_spread: float = 4.0, bins: int = 128,
@@ -116,10 +109,16 @@ class MicroReducer(Reducer):
                  grow: float = 1.5, shrink: float = 0.5, cap_factor: float | None = 4.0,
                  force_nonempty: bool = False, reuse_buffers: bool = True, gather: str = "direct",
                  values: str = "auto", start: str = "data", lead: float = 0.7, indices: str = "auto",
-                 ef_decay: float = 1.0, **rest):
+                 ef_decay: float = 1.0, value_bits: int | None = None, **rest):
         if values not in ("auto", "owner", "gather", "allreduce"):
             raise ValueError(f"micro: values must be 'auto', 'owner', 'gather' or 'allreduce', got {values!r}")
-        self.values = values = value_path(values, comm.world_size)
+        if value_bits is not None:  # as topka's: value_bits decides over value_dtype
+            value_bits = check_value_bits(value_bits, "micro")
+            rest["value_dtype"] = "fp16" if value_bits == 16 else "fp32"
+        self.value_bits, self.packed = value_bits, value_bits is not None and value_bits < 16
+        if self.packed and values not in ("auto", "gather"):
+            raise ValueError(f"micro: value_bits={value_bits} needs values='gather' (or 'auto'), got {values!r}")
+        self.values = values = "gather" if self.packed else value_path(values, comm.world_size)
         self._reuse_buffers = bool(reuse_buffers)  # read by Reducer.__init__ (the memory's form)
         super().__init__(comm, density=density, **rest)
         self.ef_decay = decay_memory(self.memory, ef_decay, self.name)
@@ -140,8 +139,8 @@ class MicroReducer(Reducer):
         self.gather = gather
         if indices not in ("auto", "block16", "plain"):
             raise ValueError(f"micro: indices must be 'auto', 'block16' or 'plain', got {indices!r}")
-        if indices == "auto":  # block16 where the caller chose bytes over CPU (half values)
-            indices = "plain" if self.wire_dtype is None else "block16"
+        if indices == "auto":  # block16 where the caller chose bytes over CPU (half or coded values)
+            indices = "plain" if self.wire_dtype is None and not self.packed else "block16"
         self.indices = indices
         if start not in ("data", "guess"):
             raise ValueError(f"micro: start must be 'data' or 'guess', got {start!r}")
@@ -241,7 +240,7 @@ class MicroReducer(Reducer):
         got = comm.exchange([(q, (piece[q], "fixed")) for q in peers],
                             [(p, (mine.numel(), sent.dtype)) for p in peers]) if P > 1 else {}
         got[me] = mine
-        total = rank_order_sum([got[p] for p in range(P)], dtype)
+        total = sum_in_rank_order([got[p] for p in range(P)], mine.numel(), dtype, mine.device)
         wire, err = total, None
         if sent.dtype != dtype:  # half values: the sums go back rounded, the owner keeps the error
             wire = self.wire_values(total)
@@ -255,7 +254,15 @@ class MicroReducer(Reducer):
         """(``values="gather"``) the sum over ranks of ``sent`` (every rank's values at the union):
         one all-gather of the contributions (:meth:`_allgather_fixed`: every rank's ``K`` is the
         same), added in rank order in ``dtype`` on every rank - the same bits everywhere."""
-        return rank_order_sum(self._allgather_fixed(sent), dtype)
+        return sum_in_rank_order(self._allgather_fixed(sent), sent.numel(), dtype, sent.device)
+
+    def _coded_sum(self, vals: torch.Tensor, union: torch.Tensor, dtype) -> torch.Tensor:
+        """(``value_bits`` < 16) :meth:`_gathered_sum` of the ranks' values coded (``encode_values``); the
+        residual at ``union`` (cleared by ``memory.take``) keeps ``vals`` minus their decode."""
+        msg, dec = encode_values(vals, self.value_bits)
+        self.memory.put_back(union, vals - dec)
+        parts = [decode_values(m, vals.numel(), self.value_bits) for m in self._allgather_fixed(msg)]
+        return sum_in_rank_order(parts, vals.numel(), dtype, vals.device)
 
     def _cap(self, size: int) -> int | None:
         if self.cap_factor is None:
@@ -349,6 +356,8 @@ class MicroReducer(Reducer):
                     if self.values == "allreduce":
                         # the all-reduce of the values already rounded (wire_values leaves them as they are)
                         vals = self.allreduce_wire_values(sent)[1].to(acc.dtype)
+                    elif self.packed:
+                        vals = self._coded_sum(mine, union, acc.dtype)
                     elif self.values == "gather":
                         vals = self._gathered_sum(sent, acc.dtype)
                     else:
@@ -382,7 +391,7 @@ class MicroReducer(Reducer):
     # ------------------------------------------------------------------ cost
     @classmethod
     def predicted_cost(cls, P, n, k, value_bytes=4, index_bytes=4, counts=None, rule="histogram", bins=128,
-                       values="auto", rank=None, data_window=False, indices="auto", **_):
+                       values="auto", rank=None, data_window=False, indices="auto", value_bits=None, **_):
         """Cost per rank: MiCRO's index all-gather and value sum, plus the calibration all-gather of the
         default rule. ``data_window``: the step also all-gathers the 8-byte threshold estimates
         (``start="data"``: steps 0 and 1). With ``m_r`` = rank ``r``'s count, ``m = max_r m_r``,
@@ -393,6 +402,7 @@ class MicroReducer(Reducer):
                   | (P - 1) m index_bytes                             [otherwise]
                 + (P - 1) m_r vb + (K - m_r) vb  [values="owner"]  |  (P - 1) K vb  [values="gather"]
                   | 2 (P - 1) K vb // P  [values="allreduce"]
+                  | (P - 1) (ceil(K b / 8) + 4 * 2^b)  [value_bits b < 16: "gather", block16 under "auto"]
 
         (rounds: the module docstring). With the per-rank ``counts`` of a step the result is exact -
         for ``rank`` (the owner path receives by rank), or the largest over ranks when ``rank`` is
@@ -405,10 +415,13 @@ class MicroReducer(Reducer):
         cal_bytes = (P - 1) * (int(bins) + 2) * 8 if rule == "histogram" else 0
         if data_window and rule == "histogram":
             cal_rounds, cal_bytes = cal_rounds + P - 1, cal_bytes + (P - 1) * 8
-        values = value_path(values, P)
+        packed = value_bits is not None and value_bits < 16
+        if value_bits is not None and not packed:
+            value_bytes = value_bits // 8
+        values = "gather" if packed else value_path(values, P)
         value_rounds = P - 1 if values == "gather" else 2 * (P - 1)
         if indices == "auto":
-            indices = "block16" if value_bytes < 4 else "plain"
+            indices = "block16" if value_bytes < 4 or packed else "plain"
         nb = block_count(-(-n // P)) if indices == "block16" and rule == "histogram" else None
 
         def index_bytes_at(m):  # one padded message per peer
@@ -417,6 +430,8 @@ class MicroReducer(Reducer):
             return (P - 1) * m * index_bytes
 
         def value_bytes_at(K, m_r):  # owner: contributions in, sums out, both as value_bytes
+            if packed:
+                return (P - 1) * (-(-K * value_bits // 8) + 4 * (1 << value_bits))
             if values == "owner":
                 return (P - 1) * m_r * value_bytes + (K - m_r) * value_bytes
             if values == "gather":

@@ -18,7 +18,7 @@ non-negative integers of ``width`` bits next to each other, little-endian within
 (two 12-bit chunk-local indices in 3 bytes, four 2-bit codes in a byte): vectorised, a group of values
 per int64 word where ``lcm(width, 8) <= 56``, else a ``[m, width]`` bit matrix. :func:`encode_message` /
 :func:`decode_message` are one rank's whole message: the packed positions, then the values (packed codes
-and the table, or the fp16 / fp32 values), exactly :func:`payload_bytes` bytes.
+and the table, or the fp16 / fp32 values: :func:`encode_values`), exactly :func:`payload_bytes` bytes.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import torch
 from .. import native
 
 __all__ = ["VALUE_BITS", "bits_for", "pack_bits", "unpack_bits", "quantise", "dequantise", "payload_bytes",
-           "encode_message", "decode_message", "sum_messages", "check_value_bits"]
+           "encode_values", "decode_values", "encode_message", "decode_message", "sum_messages",
+           "check_value_bits"]
 
 #: value widths: 2, 4, 8 bits with a table; 16 (fp16) and 32 (fp32) as they are
 VALUE_BITS = (2, 4, 8, 16, 32)
@@ -129,44 +130,54 @@ def dequantise(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return table.index_select(0, codes)
 
 
-def payload_bytes(count: int, index_width: int, bits: int) -> int:
-    """Bytes of one rank's message: ``count`` packed indices, their values (codes + a float32 table of
-    ``2^bits`` entries, or fp16 / fp32 values)."""
+def payload_bytes(count: int, index_width: int, bits: int, per: int = 1) -> int:
+    """Bytes of one rank's message: ``count`` packed indices, their ``count * per`` values (codes + a
+    float32 table of ``2^bits`` entries, or fp16 / fp32 values; ``per``: values per position, a block's size)."""
     idx = -(-count * index_width // 8)
+    count *= per
     if bits >= 16:
         return idx + count * bits // 8
     return idx + -(-count * bits // 8) + 4 * (1 << bits)
 
 
-def encode_message(where: torch.Tensor, width: int, vals: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(msg, decode)``: the uint8 message of positions ``where`` (integers below ``2^width``, packed)
-    and values ``vals`` in ``bits`` (:func:`payload_bytes` bytes), and ``decode``, what every receiver
-    decodes for ``vals`` (in ``vals``' dtype: the sender keeps ``vals - decode`` in its residual).
-    fp16 values saturate at +-65504 (the rest stays in the residual, finite); with a half-precision
-    ``vals`` the table is rounded to that dtype before it is sent, so ``decode`` is exactly what the
-    receivers add."""
+def encode_values(vals: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(msg, decode)``: the uint8 bytes of ``vals`` in ``bits`` (packed codes then the float32 table, or
+    fp16 / fp32 values) and ``decode``, what every receiver decodes (in ``vals``' dtype: the sender keeps
+    ``vals - decode`` in its residual). fp16 values saturate at +-65504 (the rest stays in the residual,
+    finite); with a half-precision ``vals`` the table is rounded to that dtype before it is sent, so
+    ``decode`` is exactly what the receivers add."""
     if bits >= 16:
         sent = vals.to(torch.float16 if bits == 16 else torch.float32)
         if bits == 16:  # the cast's infinities back to the largest finite fp16 (NaN stays NaN)
             sent.clamp_(-_FP16_MAX, _FP16_MAX)
-        dec, tail = sent.to(vals.dtype), [sent.view(torch.uint8)]
-    else:
-        codes, table = quantise(vals, bits)
-        if vals.dtype in (torch.float16, torch.bfloat16):
-            table = table.to(vals.dtype).to(torch.float32)
-        dec, tail = dequantise(codes, table).to(vals.dtype), [pack_bits(codes, bits), table.view(torch.uint8)]
-    return torch.cat([pack_bits(where, width), *tail]), dec
+        return sent.view(torch.uint8), sent.to(vals.dtype)
+    codes, table = quantise(vals, bits)
+    if vals.dtype in (torch.float16, torch.bfloat16):
+        table = table.to(vals.dtype).to(torch.float32)
+    return torch.cat([pack_bits(codes, bits), table.view(torch.uint8)]), dequantise(codes, table).to(vals.dtype)
 
 
-def decode_message(msg: torch.Tensor, count: int, width: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(where, values)`` of :func:`encode_message`'s message of ``count`` entries: int64 positions and
-    float32 values (fp16 ones widened: no rounding)."""
-    ni = -(-count * width // 8)
-    where, v = unpack_bits(msg[:ni], width, count), msg[ni:]
-    if bits >= 16:  # (copies: aligned for the float views)
-        return where, v.clone().view(torch.float16 if bits == 16 else torch.float32).to(torch.float32)
+def decode_values(v: torch.Tensor, count: int, bits: int) -> torch.Tensor:
+    """The ``count`` float32 values of :func:`encode_values`' bytes ``v`` (fp16 ones widened: no rounding)."""
+    if bits >= 16:  # (a copy: aligned for the float view)
+        return v.clone().view(torch.float16 if bits == 16 else torch.float32).to(torch.float32)
     nc = -(-count * bits // 8)
-    return where, dequantise(unpack_bits(v[:nc], bits, count), v[nc:].clone().view(torch.float32))
+    return dequantise(unpack_bits(v[:nc], bits, count), v[nc:].clone().view(torch.float32))
+
+
+def encode_message(where: torch.Tensor, width: int, vals: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(msg, decode)``: the uint8 message of positions ``where`` (integers below ``2^width``, packed)
+    then :func:`encode_values` of ``vals`` (:func:`payload_bytes` bytes), and the values' ``decode``."""
+    tail, dec = encode_values(vals, bits)
+    return torch.cat([pack_bits(where, width), tail]), dec
+
+
+def decode_message(msg: torch.Tensor, count: int, width: int, bits: int,
+                   per: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(where, values)`` of :func:`encode_message`'s message of ``count`` positions and ``count * per``
+    values (``per``: a block's size): int64 positions and float32 values."""
+    ni = -(-count * width // 8)
+    return unpack_bits(msg[:ni], width, count), decode_values(msg[ni:], count * per, bits)
 
 
 def sum_messages(parts: list, count: int, width: int, bits: int, out: torch.Tensor,
