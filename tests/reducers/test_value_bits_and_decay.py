@@ -1,7 +1,7 @@
 """``ef_decay`` in every buffer form of :class:`ErrorFeedback` and on ``micro`` / ``block_allgather`` /
 ``blocksparse`` (the decayed law exactly), and the ``value_bits`` / ``ef_decay`` options of ``topka``,
-``block_allgather`` and ``micro``: today's bits when left at their defaults, SparseLoCo's exchange at one chunk when set,
-conservation up to fp32 rounding, the ledger against its formula, every rank alike."""
+``block_allgather`` and ``micro``: today's bits when left at their defaults, SparseLoCo's exchange at one
+chunk when set, conservation up to fp32 rounding, the ledger against its formula, every rank alike."""
 
 import pytest
 import torch
