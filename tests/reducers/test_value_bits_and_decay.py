@@ -139,6 +139,17 @@ def _steps(comm, opts, steps=3):
     return rows
 
 
+def _assert_alike_and_conserving(rows, decay):
+    """``rows[w]``: rank ``w``'s ``(input, residual before, output, residual after, ...)`` of one step: the
+    output alike on every rank, and ``sum_r (decay * before_r + input_r) == out + sum_r after_r`` up to fp32
+    rounding."""
+    out = rows[0][2]
+    assert all(torch.equal(r[2], out) for r in rows)
+    fed = sum(r[0] + (0 if r[1] is None else decay * r[1]) for r in rows)
+    kept = sum(r[3] for r in rows)
+    assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+
+
 @pytest.mark.parametrize("bits,decay", [(2, 0.95), (4, 1.0), (8, 0.5)])
 def test_topka_packed_conserves_is_the_same_on_every_rank_and_counts_its_bytes(bits, decay):
     P = 4
@@ -147,11 +158,7 @@ def test_topka_packed_conserves_is_the_same_on_every_rank_and_counts_its_bytes(b
     want = TopkAReducer.predicted_cost(P, N, k, value_bits=bits)
     assert want == {"rounds": P - 1, "bytes_received": (P - 1) * (-(-k * 10 // 8) + -(-k * bits // 8) + (4 << bits))}
     for s in range(3):
-        out = res[0][s][2]
-        assert all(torch.equal(res[w][s][2], out) for w in range(P))
-        fed = sum(res[w][s][0] + (0 if res[w][s][1] is None else decay * res[w][s][1]) for w in range(P))
-        kept = sum(res[w][s][3] for w in range(P))
-        assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        _assert_alike_and_conserving([res[w][s] for w in range(P)], decay)
         st = res[0][s][4]
         assert st["selected"] == k and st["rounds"] == want["rounds"]
         assert st["bytes_received"] == want["bytes_received"] and st["bytes_sent"] == want["bytes_received"]
@@ -194,11 +201,7 @@ def test_block_allgather_packed_conserves_is_the_same_on_every_rank_and_counts_i
     assert want == {"rounds": P - 1, "bytes_received": (P - 1) * (-(-K * 6 // 8) + values)}
     assert not any(c for _, c in res)
     for s in range(3):
-        out = res[0][0][s][2]
-        assert all(torch.equal(res[w][0][s][2], out) for w in range(P))
-        fed = sum(res[w][0][s][0] + (0 if res[w][0][s][1] is None else decay * res[w][0][s][1]) for w in range(P))
-        kept = sum(res[w][0][s][3] for w in range(P))
-        assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        _assert_alike_and_conserving([res[w][0][s] for w in range(P)], decay)
         st = res[0][0][s][4]
         assert st["rounds"] == want["rounds"] and st["bytes_received"] == want["bytes_received"]
 
@@ -229,11 +232,7 @@ def test_micro_coded_values_conserve_are_the_same_on_every_rank_and_count_their_
     res = ss.run_local(_micro, P, {"value_bits": bits, "ef_decay": decay}, backend="thread")
     assert all(f == ((False, "gather", "block16") if bits < 16 else (True, "owner", "block16")) for _, f in res)
     for s in range(4):
-        out = res[0][0][s][2]
-        assert all(torch.equal(res[w][0][s][2], out) for w in range(P))
-        fed = sum(res[w][0][s][0] + (0 if res[w][0][s][1] is None else decay * res[w][0][s][1]) for w in range(P))
-        kept = sum(res[w][0][s][3] for w in range(P))
-        assert torch.allclose(fed, out + kept, rtol=0, atol=1e-5), float((fed - out - kept).abs().max())
+        _assert_alike_and_conserving([res[w][0][s] for w in range(P)], decay)
         counts = [res[w][0][s][4]["local_selected"] for w in range(P)]
         for w in range(P):
             want = MicroReducer.predicted_cost(P, 5 * N, round(0.02 * 5 * N), counts=counts, value_bits=bits,
