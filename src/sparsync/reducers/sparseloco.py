@@ -54,6 +54,9 @@ def selected_count(n: int, chunk: int, k: int) -> int:
 @register("sparseloco")
 class SparseLoCoReducer(Reducer):
     checks_input = True  # the memory's add checks the decayed sum
+    #: the memory accumulates in recycled buffers (no fresh 4n-byte tensor, and its page faults, per call);
+    #: a policy may fold into it when it is undecayed (``ef_decay=1``)
+    accepts_fold = True
     #: the undecayed identity, bit for bit, only without decay (which sheds mass by design) and with
     #: 16 / 32-bit values (a table's means round in fp32): otherwise it holds as documented above
     conserving = OptionFact(False, lambda r: r.ef_decay == 1.0 and r.value_bits >= 16)
