@@ -70,6 +70,24 @@ def test_chunked_topk_mixes_chunks_with_and_without_surplus_ties(kernels):
         assert torch.equal(chunked_topk(x, 100, k), _brute_chunked(x, 100, k))
 
 
+def test_chunked_topk_where_the_next_chunks_scale_falls_rises_or_meets_the_guess(kernels):
+    """The C kernel selects from the entries at or above 0.75 x the previous chunk's k-th magnitude when
+    there are at least k of them (else it scans the whole chunk): scales that fall 10x (too few: the full
+    scan), rise 10x (most of the chunk) and entries exactly at the guess, tied."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(800, generator=g)
+    x[100:200] *= 0.1
+    x[200:300] *= 10.0
+    k = 5
+    t = float(x[200:300].abs().sort(descending=True).values[k - 1])
+    x[300:400] = torch.randn(100, generator=g) * 1e-3
+    x[300:400:7] = torch.tensor(t, dtype=torch.float32) * torch.tensor(0.75, dtype=torch.float32)  # at the guess
+    x[345] = 2 * t  # one above, the rest of the k tied at the guess: the lowest indices win
+    x[400:500] = x[300:400].flip(0)
+    for kk in (1, k, 17):
+        assert torch.equal(chunked_topk(x, 100, kk), _brute_chunked(x, 100, kk))
+
+
 def test_the_c_and_torch_chunked_topk_agree_on_gradient_like_data():
     """The radix select against the torch form at SparseLoCo's shape, over scales from subnormal to large."""
     if not native.enabled():

@@ -282,7 +282,8 @@ def take_clear(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
 
 
 def chunked_topk(x: torch.Tensor, chunk: int, k: int, klast: int) -> torch.Tensor:
-    """:func:`sparsync.select.chunked.chunked_topk` by a radix select per chunk: the sorted int64 indices
+    """:func:`sparsync.select.chunked.chunked_topk` by a radix select per chunk (over the entries at or above
+    a guess from the previous chunk when they are enough, else the whole chunk): the sorted int64 indices
     of the ``k`` largest ``|x|`` of every full chunk and the ``klast`` largest of a short last one (ties:
     the lower index; the same indices as the torch form). ``x`` 1-D :func:`usable`, finite."""
     if not usable(x) or x.dim() != 1:

@@ -31,10 +31,11 @@
  *
  * chunked_topk / add_packed: SparseLoCo's selection and the receiving side of its message
  * (sparsync/select/chunked.py, sparsync/select/quantise.py). torch finds a chunk's k-th magnitude
- * with a batched topk (a sort-like pass per row) and then compacts a mask; here a radix select on
- * the magnitudes' bits (the bits of |x| as an unsigned integer order like |x|) finds it in one
- * histogram pass over the chunk (held in L1) and short passes over the candidates, and a last pass
- * writes the chosen indices in ascending order. add_packed unpacks a message's chunk-local
+ * with a batched topk (a sort-like pass per row) and then compacts a mask; here one vectorised pass
+ * gathers the entries at or above a guess (0.75 x the previous chunk's k-th magnitude) and, when they
+ * are at least k, a radix select on their magnitudes' bits (the bits of |x| as an unsigned integer
+ * order like |x|) finds the k-th among them and they are emitted in ascending order; otherwise the
+ * radix select runs over the whole chunk (held in L1) and a last pass emits. add_packed unpacks a message's chunk-local
  * indices and value codes and adds the table's values in the same loop (torch: two unpacks through
  * int64 temporaries, a gather and an index_add_).
  */
@@ -409,14 +410,12 @@ static int64_t emit_top(const uint32_t *u, int64_t m, uint32_t t, int64_t need, 
     return emit_top_plain(u, m, t, need, base, out);
 }
 
-/* The k largest |x[i]| of x[0 .. m) (0 < k < m), ties at the k-th magnitude taken by ascending i, written
- * to out as base + i in ascending order; returns k. u and cand are scratch of m entries each.
- * A radix select over the 31 magnitude bits in digits of 8, 8, 8, 7 bits: each level counts the
- * candidates' digit, keeps those in the digit where the k-th largest lies (the threshold's next
- * digit) and goes on with what is still needed; after the last digit the threshold t is exact and
- * `need` is the count of entries equal to t to take. */
-static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, uint32_t *u, uint32_t *cand,
-                          int64_t *out) {
+/* The k-th largest of u[0 .. m) (0 < k <= m, all below 2^31), returned as t, and in *need how many of
+ * the entries equal to t belong to the k largest. A radix select over the 31 magnitude bits in digits of
+ * 8, 8, 8, 7 bits: each level counts the candidates' digit, keeps those in the digit where the k-th
+ * largest lies (the threshold's next digit) and goes on with what is still needed. cand: scratch of m
+ * entries (may be u itself when u may be overwritten). */
+static uint32_t radix_select(const uint32_t *u, int64_t m, int64_t k, uint32_t *cand, int64_t *need_out) {
     static const int shift[4] = {23, 15, 7, 0};
     static const uint32_t digit_mask[4] = {0xff, 0xff, 0xff, 0x7f};
     int64_t hist[256];
@@ -424,12 +423,11 @@ static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, ui
                           * few exponents, and one table would chain every increment on the last */
     int64_t nc = m, need = k;
     uint32_t t = 0;
-    memcpy(u, x, (size_t)m * sizeof(uint32_t));
     memset(h4, 0, sizeof h4);
     int64_t i4 = 0;
     for (; i4 + 4 <= m; i4 += 4)
-        for (int j = 0; j < 4; j++) h4[j][(u[i4 + j] &= 0x7fffffffu) >> 23]++;
-    for (; i4 < m; i4++) h4[0][(u[i4] &= 0x7fffffffu) >> 23]++;
+        for (int j = 0; j < 4; j++) h4[j][u[i4 + j] >> 23]++;
+    for (; i4 < m; i4++) h4[0][u[i4] >> 23]++;
     const uint32_t *src = u;
     for (int level = 0; level < 4; level++) {
         int s = shift[level];
@@ -449,7 +447,80 @@ static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, ui
         nc = in_range(src, nc, t, t + (1u << s), cand);
         src = cand;
     }
+    *need_out = need;
+    return t;
+}
+
+/* The k largest |x[i]| of x[0 .. m) (0 < k < m), ties at the k-th magnitude taken by ascending i, written
+ * to out as base + i in ascending order; returns k. u and cand are scratch of m entries each: u holds
+ * the magnitudes' bits, the radix select finds the threshold t, a last pass emits. */
+static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, uint32_t *u, uint32_t *cand,
+                          int64_t *out, uint32_t *t_out) {
+    int64_t need;
+    memcpy(u, x, (size_t)m * sizeof(uint32_t));
+    for (int64_t i = 0; i < m; i++) u[i] &= 0x7fffffffu;
+    uint32_t t = radix_select(u, m, k, cand, &need);
+    *t_out = t;
     return emit_top(u, m, t, need, base, out);
+}
+
+/* Every i of x[0 .. m) whose magnitude's bits are >= g (g >= 1), ascending, to idx as off + i, and
+ * those bits to vals; returns the count (the candidates of a guessed threshold). */
+static int64_t gather_ge_plain(const float *x, int64_t m, uint32_t g, int64_t off, int32_t *idx, uint32_t *vals) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < m; i++) {
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
+        b &= 0x7fffffffu;
+        if (b >= g) {
+            idx[c] = (int32_t)(off + i);
+            vals[c++] = b;
+        }
+    }
+    return c;
+}
+
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+__attribute__((target("avx2")))
+static int64_t gather_ge_avx2(const float *x, int64_t m, uint32_t g, int32_t *idx, uint32_t *vals) {
+    int64_t c = 0, i = 0;
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), below = _mm256_set1_epi32((int32_t)(g - 1));
+    for (; i + 64 <= m; i += 64) {
+        uint64_t mask = 0;
+        for (int q = 0; q < 8; q++) {
+            __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + 8 * q)), absmask);
+            mask |= (uint64_t)(uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(v, below))) << (8 * q);
+        }
+        for (; mask; mask &= mask - 1) {
+            int64_t j = i + __builtin_ctzll(mask);
+            uint32_t b;
+            memcpy(&b, x + j, sizeof b);
+            idx[c] = (int32_t)j;
+            vals[c++] = b & 0x7fffffffu;
+        }
+    }
+    return c + gather_ge_plain(x + i, m - i, g, i, idx + c, vals + c);
+}
+#endif
+
+static int64_t gather_ge(const float *x, int64_t m, uint32_t g, int32_t *idx, uint32_t *vals) {
+#ifdef SPARSYNC_HAVE_AVX2_PATH
+    if (cpu_avx2) return gather_ge_avx2(x, m, g, idx, vals);
+#endif
+    return gather_ge_plain(x, m, g, 0, idx, vals);
+}
+
+/* The next chunk's guessed threshold from this one's: GUESS_FACTOR x its k-th magnitude (chunks of one
+ * tensor have similar scales). A guess that leaves fewer than k entries costs one pass more. */
+#define GUESS_FACTOR 0.75f
+
+static uint32_t next_guess(uint32_t t) {
+    float f;
+    memcpy(&f, &t, sizeof f);
+    f *= GUESS_FACTOR;
+    uint32_t g;
+    memcpy(&g, &f, sizeof g);
+    return g;
 }
 
 /* Per-chunk top-k of |x| (sparsync.select.chunked.chunked_topk): every full chunk of `chunk` entries
@@ -458,17 +529,31 @@ static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, ui
  * klast outside [1, rest] (nothing written). */
 int64_t sparsync_chunked_topk_f32(const float *x, int64_t n, int64_t chunk, int64_t k, int64_t klast, int64_t *out) {
     int64_t full = n / chunk, rest = n % chunk, o = 0;
-    if (chunk < 1 || k < 1 || k > chunk || (rest && (klast < 1 || klast > rest))) return -1;
-    uint32_t *scratch = malloc((size_t)chunk * 2 * sizeof(uint32_t));
+    if (chunk < 1 || k < 1 || k > chunk || (rest && (klast < 1 || klast > rest)) || chunk > INT32_MAX) return -1;
+    uint32_t *scratch = malloc((size_t)chunk * 4 * sizeof(uint32_t));
     if (!scratch) return -2;
+    uint32_t *u = scratch, *cand = scratch + chunk, *cval = scratch + 2 * chunk;
+    int32_t *cidx = (int32_t *)(scratch + 3 * chunk);
+    uint32_t guess = 0, t;
     for (int64_t c = 0; c <= full; c++) {
         int64_t m = c < full ? chunk : rest, kk = c < full ? k : klast, base = c * chunk;
         if (m == 0) break;
         if (kk >= m) {
             for (int64_t i = 0; i < m; i++) out[o++] = base + i;
-        } else {
-            o += topk_chunk(x + base, m, kk, base, scratch, scratch + chunk, out + o);
+            continue;
         }
+        /* Every entry at or above the guess, in ascending order: when there are at least kk, the kk
+         * largest are among them (all others lie below each of them), ties included, so selecting
+         * from them alone gives the same indices in one pass over the chunk. */
+        int64_t nc = guess ? gather_ge(x + base, m, guess, cidx, cval) : 0, need;
+        if (nc >= kk) {
+            t = radix_select(cval, nc, kk, cand, &need);
+            for (int64_t j = 0; j < nc; j++)
+                if (cval[j] > t || (cval[j] == t && need-- > 0)) out[o++] = base + cidx[j];
+        } else {
+            o += topk_chunk(x + base, m, kk, base, u, cand, out + o, &t);
+        }
+        guess = next_guess(t);
     }
     free(scratch);
     return o;
