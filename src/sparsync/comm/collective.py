@@ -54,29 +54,32 @@ class Collectives:
         """:meth:`allgather` into one flat tensor: rank ``r``'s ``t`` lands in
         ``out[r*m:(r+1)*m]`` (``m = t.numel()``, the same on every rank). No per-rank output tensors
         and no concatenation copy (dense all-gathers of large vectors). Same ledger as allgather."""
-        t = as_1d(t, "allgather_into")
-        if out.dim() != 1 or out.numel() != self.world_size * t.numel() or out.dtype != t.dtype:
-            raise CommError(f"allgather_into needs a 1-D {t.dtype} output of {self.world_size} x {t.numel()} "
-                            f"elements, got {out.dtype} of shape {tuple(out.shape)}")
+        t = self._gather_into_args(t, out, "allgather_into")
         self._allgather_into(t, out)
-        cost = self._ring_cost(1, (self.world_size - 1) * nbytes(t))
-        self._record(cost)
-        self._charge_collective(cost)
+        self._charge_gather_into(t)
         return out
 
     def allgather_into_async(self, t: torch.Tensor, out: torch.Tensor) -> torch.futures.Future:
         """:meth:`allgather_into` posted without waiting: a ``torch.futures.Future`` whose value is ``out``,
         the same bits and the same ledger (recorded now). ``t`` and ``out`` stay untouched by the caller
         until it completes. Backends without asynchronous collectives gather now (a completed future)."""
-        t = as_1d(t, "allgather_into_async")
-        if out.dim() != 1 or out.numel() != self.world_size * t.numel() or out.dtype != t.dtype:
-            raise CommError(f"allgather_into_async needs a 1-D {t.dtype} output of {self.world_size} x {t.numel()} "
-                            f"elements, got {out.dtype} of shape {tuple(out.shape)}")
+        t = self._gather_into_args(t, out, "allgather_into_async")
         fut = self._allgather_into_async(t, out)
+        self._charge_gather_into(t)
+        return fut
+
+    def _gather_into_args(self, t: torch.Tensor, out: torch.Tensor, name: str) -> torch.Tensor:
+        """``t`` as 1-D, or a CommError when ``out`` is not its 1-D all-gather buffer."""
+        t = as_1d(t, name)
+        if out.dim() != 1 or out.numel() != self.world_size * t.numel() or out.dtype != t.dtype:
+            raise CommError(f"{name} needs a 1-D {t.dtype} output of {self.world_size} x {t.numel()} "
+                            f"elements, got {out.dtype} of shape {tuple(out.shape)}")
+        return t
+
+    def _charge_gather_into(self, t: torch.Tensor) -> None:
         cost = self._ring_cost(1, (self.world_size - 1) * nbytes(t))
         self._record(cost)
         self._charge_collective(cost)
-        return fut
 
     def _allgather_into_async(self, t: torch.Tensor, out: torch.Tensor) -> torch.futures.Future:
         """Post the gather of :meth:`allgather_into_async`; here: gather now, a completed future."""

@@ -457,8 +457,11 @@ static uint32_t radix_select(const uint32_t *u, int64_t m, int64_t k, uint32_t *
 static int64_t topk_chunk(const float *x, int64_t m, int64_t k, int64_t base, uint32_t *u, uint32_t *cand,
                           int64_t *out, uint32_t *t_out) {
     int64_t need;
-    memcpy(u, x, (size_t)m * sizeof(uint32_t));
-    for (int64_t i = 0; i < m; i++) u[i] &= 0x7fffffffu;
+    for (int64_t i = 0; i < m; i++) {  /* the magnitudes' bits, in one pass */
+        uint32_t b;
+        memcpy(&b, x + i, sizeof b);
+        u[i] = b & 0x7fffffffu;
+    }
     uint32_t t = radix_select(u, m, k, cand, &need);
     *t_out = t;
     return emit_top(u, m, t, need, base, out);

@@ -139,7 +139,7 @@ class BlockAllgatherReducer(BlockReducer):
         super().__init__(comm, density=density, **rest)
         self.value_bits = None if value_bits is None else check_value_bits(value_bits, self.name)
         self.packed = self.value_bits is not None and self.value_bits < 32
-        self._sent = None  # (values, their decode) of the last packed step, for the residual
+        self._ctx = None  # (values, their decode) of this step's packed message, for the residual
 
     def _communicate(self, ids, idx, vals, nblocks, block_size, numel, expected, dense_path=True):
         if dense_path and self.packed:
@@ -167,7 +167,7 @@ class BlockAllgatherReducer(BlockReducer):
         bits, width, K = self.value_bits, bits_for(nblocks), ids.numel()
         with self.timed("select"):
             msg, dec = encode_message(ids, width, _padded_blocks(vals, K, block_size).reshape(-1), bits)
-            self._sent = (vals, dec[:vals.numel()])
+            self._ctx = (vals, dec[:vals.numel()])
         with self.timed("comm"):
             parts = self.comm.allgather(msg) if self.comm.world_size > 1 else [msg]
             out = torch.zeros(nblocks, block_size, dtype=torch.promote_types(vals.dtype, torch.float32),
@@ -178,10 +178,10 @@ class BlockAllgatherReducer(BlockReducer):
         return out.view(-1)[:numel]
 
     def _feedback(self, acc, idx):
-        if self._sent is None:
+        if self._ctx is None:
             return super()._feedback(acc, idx)
-        vals, dec = self._sent
-        self._sent = None
+        vals, dec = self._ctx
+        self._ctx = None
         self.memory.keep(acc, idx, dec, acc_vals=vals)  # the residual keeps the quantisation error
 
     @classmethod

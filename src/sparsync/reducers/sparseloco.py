@@ -86,11 +86,7 @@ class SparseLoCoReducer(Reducer):
     def _start(self, grad):
         msg, sum_of = self._encode(grad)
         P = self.comm.world_size
-        if P == 1:
-            fut = torch.futures.Future()
-            fut.set_result(msg)
-        else:
-            fut = self.comm.allgather_into_async(msg, msg.new_empty(P * msg.numel()))
+        fut = self.comm.allgather_into_async(msg, msg.new_empty(P * msg.numel()))
         return fut.then(lambda f: sum_of(list(f.value().view(P, -1))))  # the same messages, the same sum
 
     def _encode(self, grad):
