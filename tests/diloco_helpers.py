@@ -1,4 +1,4 @@
-"""The few DiLoCo steps the reducer tests take on a tiny regression model (each rank its own data)."""
+"""The few DiLoCo steps the tests take on tiny models (each rank its own data)."""
 
 from __future__ import annotations
 
@@ -15,3 +15,13 @@ def run_steps(model, opt, dl, rank: int, steps: int = 4) -> torch.Tensor:
         torch.nn.functional.mse_loss(model(x), y).backward()
         dl.step()
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def classify_step(model, dl, step: int, rank: int, inputs: int = 8, classes: int = 4, batch: int = 16,
+                  seed_base: int = 1000) -> None:
+    """One ``dl.step()`` on a random classification batch seeded by ``seed_base * step + rank``."""
+    g = torch.Generator().manual_seed(seed_base * step + rank)
+    x, y = torch.randn(batch, inputs, generator=g), torch.randint(0, classes, (batch,), generator=g)
+    dl.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    dl.step()

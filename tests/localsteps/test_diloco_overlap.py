@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from diloco_helpers import classify_step
 from sparsync.localsteps.overlap import check_overlap
 
 LR, H, STEPS = 0.25, 3, 14
@@ -99,14 +100,6 @@ def _model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(8, 48), torch.nn.ReLU(), torch.nn.Linear(48, 4))
 
 
-def _train_step(model, dl, step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-    dl.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    dl.step()
-
-
 def _resume(comm, reducer, opts, Hs=4, tau=2, steps=13, cut=5):
     torch.set_num_threads(1)
 
@@ -119,7 +112,7 @@ def _resume(comm, reducer, opts, Hs=4, tau=2, steps=13, cut=5):
     model, opt, dl = build(0)
     shared_same = []
     for step in range(steps):
-        _train_step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
         if dl.last_stats["synced"]:
             s = dl.groups[0].shared
             shared_same.append(all(torch.equal(v, s) for v in comm.allgather(s.clone())))
@@ -127,7 +120,7 @@ def _resume(comm, reducer, opts, Hs=4, tau=2, steps=13, cut=5):
 
     model, opt, dl = build(0)
     for step in range(cut):
-        _train_step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
     in_flight = dl.overlap.pending is not None
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": dl.state_dict()}, buf)
@@ -138,7 +131,7 @@ def _resume(comm, reducer, opts, Hs=4, tau=2, steps=13, cut=5):
     opt.load_state_dict(blob["opt"])
     dl.load_state_dict(blob["diloco"])
     for step in range(cut, steps):
-        _train_step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
     return in_flight, shared_same, torch.equal(straight, _flat(model))
 
 

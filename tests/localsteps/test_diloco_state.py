@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from diloco_helpers import classify_step
 from sparsync import rankstate
 
 H = 4
@@ -26,11 +27,7 @@ def _model():
 
 
 def _step(model, dl, step, rank):
-    g = torch.Generator().manual_seed(100 * step + rank)
-    x, y = torch.randn(8, 5, generator=g), torch.randint(0, 2, (8,), generator=g)
-    dl.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    dl.step()
+    classify_step(model, dl, step, rank, inputs=5, classes=2, batch=8, seed_base=100)
 
 
 def _flat(model):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sparsync as ss
+from diloco_helpers import classify_step
 from sparsync.localsteps.period import START_PERIOD, AutoPeriod, best_period, default_period_cost
 from sparsync.threadcomm import ThreadWorld
 
@@ -39,14 +40,6 @@ def _model(seed=0):
     return m
 
 
-def _step(model, dl, step, rank):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
-    dl.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    dl.step()
-
-
 def _inject(dl, rank):
     """Local steps take 10 ms on every rank; a synchronisation 50 ms x (rank + 1) (the slowest rank:
     200 ms) until the 3rd, then 1 ms: the link got fast."""
@@ -68,7 +61,7 @@ def _build(comm, seed=0, **opts):
 def _periods(comm, steps=120):
     model, _, dl = _build(comm)
     for step in range(steps):
-        _step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
     return dl.periods, dl.groups[0].shared.clone()  # (the module holds this rank's local parameters)
 
 
@@ -90,12 +83,12 @@ def test_every_rank_takes_the_same_period_and_it_follows_the_link():
 def _resume(comm, steps=70, cut=37):
     model, _, dl = _build(comm)
     for step in range(steps):
-        _step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
     straight, periods = torch.cat([p.detach().reshape(-1) for p in model.parameters()]), dl.periods
 
     model, opt, dl = _build(comm)
     for step in range(cut):
-        _step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
     assert 0 < dl.inner_step < dl.sync_every and dl.sync_every > 1, (dl.inner_step, dl.sync_every)
     buf = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "diloco": dl.state_dict()}, buf)
@@ -106,7 +99,7 @@ def _resume(comm, steps=70, cut=37):
     opt.load_state_dict(blob["opt"])
     dl.load_state_dict(blob["diloco"])
     for step in range(cut, steps):
-        _step(model, dl, step, comm.rank)
+        classify_step(model, dl, step, comm.rank)
     return torch.equal(straight, torch.cat([p.detach().reshape(-1) for p in model.parameters()])), periods == dl.periods
 
 
